@@ -1,0 +1,594 @@
+package v1alpha1
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// RateLimitPolicy declares the rate-limit rules of one Service. Sluice runs an enforcer in front of
+// the Service that decides every request against these rules.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=rlp,categories=sluice
+// +kubebuilder:printcolumn:name="Target",type=string,JSONPath=`.spec.targetRef.name`
+// +kubebuilder:printcolumn:name="Rules",type=string,JSONPath=`.spec.rules[*].name`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type RateLimitPolicy struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the standard object metadata.
+	// +optional
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// spec declares the rules and where and how they are enforced.
+	// +required
+	Spec RateLimitPolicySpec `json:"spec"`
+
+	// status reports what the controller and the enforcer really do.
+	// +optional
+	Status RateLimitPolicyStatus `json:"status,omitempty"`
+}
+
+// RateLimitPolicyList is a list of RateLimitPolicy objects.
+//
+// +kubebuilder:object:root=true
+type RateLimitPolicyList struct {
+	metav1.TypeMeta `json:",inline"`
+	// metadata is the standard list metadata.
+	// +optional
+	metav1.ListMeta `json:"metadata,omitempty"`
+	// items are the policies.
+	Items []RateLimitPolicy `json:"items"`
+}
+
+// RateLimitPolicySpec declares the rules of one Service and where their state lives.
+//
+// +kubebuilder:validation:XValidation:rule="(has(self.storage) && (has(self.storage.redis) || has(self.storage.managedRedis))) || !has(self.enforcer) || !has(self.enforcer.replicas) || self.enforcer.replicas == 1",message="memory storage keeps counters inside one enforcer, so enforcer.replicas must be 1; use storage.redis or storage.managedRedis to run more replicas",fieldPath=".enforcer.replicas"
+type RateLimitPolicySpec struct {
+	// targetRef is the Service, in the policy's namespace, that the enforcer fronts.
+	// +required
+	TargetRef TargetRef `json:"targetRef"`
+
+	// rules are the limits. A request is checked against every rule that matches it, and it is
+	// charged to all of them or to none: a refused request consumes nothing.
+	// +required
+	// +listType=map
+	// +listMapKey=name
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=32
+	Rules []Rule `json:"rules"`
+
+	// trustedProxies are the CIDRs of proxies in front of the enforcer. X-Forwarded-For is believed
+	// only when the peer is inside one of them; otherwise the peer address identifies the client.
+	// +optional
+	// +listType=set
+	// +kubebuilder:validation:MaxItems=32
+	TrustedProxies []CIDR `json:"trustedProxies,omitempty"`
+
+	// defaultFailureMode is the failureMode of rules that do not set their own.
+	// +optional
+	// +kubebuilder:default=Open
+	DefaultFailureMode FailureMode `json:"defaultFailureMode,omitempty"`
+
+	// storage is where the rules' counters live. Absent means memory: one enforcer replica keeps
+	// them in its own process.
+	// +optional
+	Storage *Storage `json:"storage,omitempty"`
+
+	// enforcer shapes the enforcer Deployment.
+	// +optional
+	Enforcer *EnforcerSpec `json:"enforcer,omitempty"`
+}
+
+// TargetRef names a Service port in the policy's namespace.
+type TargetRef struct {
+	// name is the name of the Service.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="must be a Service name: lowercase letters, digits and '-', starting with a letter"
+	Name string `json:"name"`
+
+	// port is the Service port that receives the traffic that passes.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=65535
+	Port int32 `json:"port"`
+}
+
+// Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.
+//
+// +kubebuilder:validation:XValidation:rule="[has(self.tokenBucket), has(self.leakyBucket), has(self.fixedWindow), has(self.slidingLog), has(self.slidingWindowCounter)].filter(x, x).size() == 1",message="exactly one algorithm must be set: tokenBucket, leakyBucket, fixedWindow, slidingLog or slidingWindowCounter"
+// +kubebuilder:validation:XValidation:rule="!has(self.tokenBucket) || !has(self.cost) || self.cost <= self.tokenBucket.capacity",message="cost must not exceed tokenBucket.capacity: such a request could never pass",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.leakyBucket) || !has(self.cost) || self.cost <= self.leakyBucket.capacity",message="cost must not exceed leakyBucket.capacity: such a request could never pass",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.fixedWindow) || !has(self.cost) || self.cost <= self.fixedWindow.limit",message="cost must not exceed fixedWindow.limit: such a request could never pass",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || !has(self.cost) || self.cost <= self.slidingLog.limit",message="cost must not exceed slidingLog.limit: such a request could never pass",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.slidingWindowCounter) || !has(self.cost) || self.cost <= self.slidingWindowCounter.limit",message="cost must not exceed slidingWindowCounter.limit: such a request could never pass",fieldPath=".cost"
+type Rule struct {
+	// name identifies the rule in status, metrics, headers and Redis keys. A DNS label.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",message="must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"
+	Name string `json:"name"`
+
+	// tokenBucket admits bursts up to capacity and refills at a steady rate.
+	// +optional
+	TokenBucket *TokenBucket `json:"tokenBucket,omitempty"`
+
+	// leakyBucket queues requests and releases them at a fixed rate; a request that would wait
+	// longer than maxWait, or find the queue full, is refused.
+	// +optional
+	LeakyBucket *LeakyBucket `json:"leakyBucket,omitempty"`
+
+	// fixedWindow admits limit units per clock-aligned window. Cheapest; up to twice the limit can
+	// pass around a window boundary.
+	// +optional
+	FixedWindow *Window `json:"fixedWindow,omitempty"`
+
+	// slidingLog admits limit units in any window-long interval, exactly, by remembering each one.
+	// Its memory grows with limit.
+	// +optional
+	SlidingLog *Window `json:"slidingLog,omitempty"`
+
+	// slidingWindowCounter approximates a sliding window from the current and previous fixed
+	// windows, the previous one weighted by how much of it the sliding window still covers.
+	// +optional
+	SlidingWindowCounter *Window `json:"slidingWindowCounter,omitempty"`
+
+	// match selects the requests the rule applies to. Absent means every request.
+	// +optional
+	Match *Match `json:"match,omitempty"`
+
+	// key lists the parts of a request that identify a client; each distinct combination gets its
+	// own counter. Absent means one counter shared by every request the rule matches.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=8
+	Key []KeySource `json:"key,omitempty"`
+
+	// cost is how many units one request consumes. 0 checks the limit without consuming anything.
+	// +optional
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=1000000000
+	Cost *int64 `json:"cost,omitempty"`
+
+	// failureMode says what the rule decides when its storage cannot answer: Open lets requests
+	// through, Closed refuses them with 503. Absent means spec.defaultFailureMode.
+	// +optional
+	FailureMode FailureMode `json:"failureMode,omitempty"`
+
+	// mode is Enforce to refuse requests over the limit, or Shadow to only count the requests that
+	// would have been refused.
+	// +optional
+	// +kubebuilder:default=Enforce
+	Mode RuleMode `json:"mode,omitempty"`
+}
+
+// TokenBucket holds up to capacity tokens and gains refill.tokens every refill.period. A request
+// takes cost tokens, or is refused when the bucket holds fewer.
+type TokenBucket struct {
+	// capacity is the most tokens the bucket holds: the largest burst that passes at once.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000000000
+	Capacity int64 `json:"capacity"`
+
+	// refill is the steady rate at which the bucket fills.
+	// +required
+	Refill TokenRefill `json:"refill"`
+}
+
+// TokenRefill is a rate of tokens: tokens per period.
+type TokenRefill struct {
+	// tokens are added every period, spread evenly over it.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000000000
+	Tokens int64 `json:"tokens"`
+
+	// period is the time in which tokens are added.
+	// +required
+	Period Duration `json:"period"`
+}
+
+// LeakyBucket is a bounded queue that drains at a fixed rate. Each request is given a departure
+// time; it waits until then, so the upstream sees an even flow.
+type LeakyBucket struct {
+	// capacity is the most units that may wait in the queue at once.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000000
+	Capacity int64 `json:"capacity"`
+
+	// drain is the fixed rate at which the queue releases requests.
+	// +required
+	Drain DrainRate `json:"drain"`
+
+	// maxWait is the longest a request may be held. A request that would wait longer is refused.
+	// Absent means as long as a full queue takes to drain.
+	// +optional
+	MaxWait *Duration `json:"maxWait,omitempty"`
+}
+
+// DrainRate is a rate of requests: requests per period.
+type DrainRate struct {
+	// requests are released every period, spread evenly over it.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000000000
+	Requests int64 `json:"requests"`
+
+	// period is the time in which requests are released.
+	// +required
+	Period Duration `json:"period"`
+}
+
+// Window admits limit units per window.
+type Window struct {
+	// limit is the most units admitted per window.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000000000
+	Limit int64 `json:"limit"`
+
+	// window is the length of the window.
+	// +required
+	Window Duration `json:"window"`
+}
+
+// Duration is a length of time made of whole hours (h), minutes (m), seconds (s) and
+// milliseconds (ms), such as "500ms", "1s", "1m30s" or "24h", from 1ms to 720h (30 days).
+//
+// +kubebuilder:validation:MaxLength=32
+// +kubebuilder:validation:XValidation:rule="self.matches('^([0-9]{1,5}(h|m|s|ms)){1,4}$')",message="must be a duration of whole h, m, s and ms, such as 500ms, 1s, 1m30s or 24h"
+// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]{1,5}(h|m|s|ms)){1,4}$') || (duration(self) >= duration('1ms') && duration(self) <= duration('720h'))",message="must be at least 1ms and at most 720h (30 days)"
+type Duration string
+
+// Match selects requests. All of its parts must match.
+type Match struct {
+	// methods are the HTTP methods that match. Absent means any method.
+	// +optional
+	// +listType=set
+	// +kubebuilder:validation:MaxItems=9
+	Methods []HTTPMethod `json:"methods,omitempty"`
+
+	// path matches the request path, without the query string.
+	// +optional
+	Path *PathMatch `json:"path,omitempty"`
+
+	// headers must all be present in the request with the given values.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=16
+	Headers []HeaderMatch `json:"headers,omitempty"`
+}
+
+// HTTPMethod is an HTTP request method.
+//
+// +kubebuilder:validation:Enum=GET;HEAD;POST;PUT;PATCH;DELETE;OPTIONS;CONNECT;TRACE
+type HTTPMethod string
+
+// PathMatch matches the request path.
+//
+// +kubebuilder:validation:XValidation:rule="self.type == 'RegularExpression' || self.value.startsWith('/')",message="value must start with '/' for types Exact and Prefix",fieldPath=".value"
+type PathMatch struct {
+	// type is how value is compared: Exact, Prefix (whole path segments: /api matches /api and
+	// /api/users but not /apis) or RegularExpression (RE2 syntax, matched against the whole path).
+	// +optional
+	// +kubebuilder:default=Prefix
+	Type PathMatchType `json:"type,omitempty"`
+
+	// value is the path or the expression.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=1024
+	Value string `json:"value"`
+}
+
+// PathMatchType is how a path is compared.
+//
+// +kubebuilder:validation:Enum=Exact;Prefix;RegularExpression
+type PathMatchType string
+
+// Path match types.
+const (
+	PathMatchExact             PathMatchType = "Exact"
+	PathMatchPrefix            PathMatchType = "Prefix"
+	PathMatchRegularExpression PathMatchType = "RegularExpression"
+)
+
+// HeaderMatch matches one request header.
+type HeaderMatch struct {
+	// name is the header name, compared without regard to case.
+	// +required
+	Name HeaderName `json:"name"`
+
+	// value is the exact value the header must have. Absent means any value: the header must
+	// only be present.
+	// +optional
+	// +kubebuilder:validation:MaxLength=4096
+	Value *string `json:"value,omitempty"`
+}
+
+// HeaderName is the name of an HTTP header.
+//
+// +kubebuilder:validation:MinLength=1
+// +kubebuilder:validation:MaxLength=256
+// +kubebuilder:validation:XValidation:rule="self.matches('^[A-Za-z0-9!#$%&*+.^_|~-]+$')",message="must be an HTTP header name: letters, digits and !#$%&*+-.^_|~"
+type HeaderName string
+
+// KeySource is one part of a request that identifies a client.
+//
+// +kubebuilder:validation:XValidation:rule="self.type == 'Header' ? has(self.name) : !has(self.name)",message="name is required with type Header and not allowed with other types"
+type KeySource struct {
+	// type is the part of the request: RemoteAddress (the client address, see
+	// spec.trustedProxies), Header (the value of header name), Method or Path.
+	// +required
+	Type KeySourceType `json:"type"`
+
+	// name is the header to read, with type Header.
+	// +optional
+	Name *HeaderName `json:"name,omitempty"`
+}
+
+// KeySourceType is a part of a request that identifies a client.
+//
+// +kubebuilder:validation:Enum=RemoteAddress;Header;Method;Path
+type KeySourceType string
+
+// Key source types.
+const (
+	KeyRemoteAddress KeySourceType = "RemoteAddress"
+	KeyHeader        KeySourceType = "Header"
+	KeyMethod        KeySourceType = "Method"
+	KeyPath          KeySourceType = "Path"
+)
+
+// FailureMode is what a rule decides when its storage cannot answer.
+//
+// +kubebuilder:validation:Enum=Open;Closed
+type FailureMode string
+
+// Failure modes.
+const (
+	// FailOpen lets requests through while storage is unavailable.
+	FailOpen FailureMode = "Open"
+	// FailClosed refuses requests with 503 while storage is unavailable.
+	FailClosed FailureMode = "Closed"
+)
+
+// RuleMode is whether a rule refuses requests or only counts them.
+//
+// +kubebuilder:validation:Enum=Enforce;Shadow
+type RuleMode string
+
+// Rule modes.
+const (
+	// ModeEnforce refuses requests over the limit.
+	ModeEnforce RuleMode = "Enforce"
+	// ModeShadow never refuses; requests over the limit are counted as "would limit".
+	ModeShadow RuleMode = "Shadow"
+)
+
+// CIDR is an IPv4 or IPv6 network in CIDR notation, such as 10.0.0.0/8 or fd00::/8.
+//
+// +kubebuilder:validation:MaxLength=49
+// +kubebuilder:validation:XValidation:rule="isCIDR(self)",message="must be a CIDR such as 10.0.0.0/8 or fd00::/8"
+type CIDR string
+
+// Storage is where counters live. Exactly one of its members is set.
+//
+// +kubebuilder:validation:XValidation:rule="[has(self.memory), has(self.redis), has(self.managedRedis)].filter(x, x).size() == 1",message="exactly one of memory, redis or managedRedis must be set"
+type Storage struct {
+	// memory keeps counters in the enforcer's own memory. Exact only with one enforcer replica.
+	// +optional
+	Memory *MemoryStorage `json:"memory,omitempty"`
+
+	// redis keeps counters in a Redis that you run.
+	// +optional
+	Redis *RedisStorage `json:"redis,omitempty"`
+
+	// managedRedis keeps counters in a Redis that the operator runs for this policy.
+	// +optional
+	ManagedRedis *ManagedRedis `json:"managedRedis,omitempty"`
+}
+
+// MemoryStorage keeps counters in the enforcer process. It has no settings.
+type MemoryStorage struct{}
+
+// RedisStorage is the connection to a Redis that you run.
+//
+// +kubebuilder:validation:XValidation:rule="self.mode != 'Sentinel' || has(self.masterName)",message="masterName is required with mode Sentinel",fieldPath=".masterName"
+// +kubebuilder:validation:XValidation:rule="self.mode == 'Sentinel' || !has(self.masterName)",message="masterName is only used with mode Sentinel",fieldPath=".masterName"
+// +kubebuilder:validation:XValidation:rule="self.mode != 'Cluster' || !has(self.database) || self.database == 0",message="database must be 0 with mode Cluster: Redis Cluster has only database 0",fieldPath=".database"
+// +kubebuilder:validation:XValidation:rule="self.mode != 'Standalone' || size(self.addresses) == 1",message="mode Standalone takes exactly one address",fieldPath=".addresses"
+type RedisStorage struct {
+	// mode is the Redis topology: Standalone (one server), Sentinel (addresses are sentinels) or
+	// Cluster (addresses are seed nodes).
+	// +optional
+	// +kubebuilder:default=Standalone
+	Mode RedisMode `json:"mode"`
+
+	// addresses are host:port pairs: the server, the sentinels, or the cluster's seed nodes.
+	// +required
+	// +listType=set
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=16
+	Addresses []HostPort `json:"addresses"`
+
+	// masterName is the name of the master set that the sentinels watch. Sentinel only.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	MasterName string `json:"masterName,omitempty"`
+
+	// database is the Redis database number. Must be 0 (or absent) with Cluster.
+	// +optional
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=15
+	Database *int32 `json:"database,omitempty"`
+
+	// credentialsSecretRef names a Secret in the policy's namespace holding the Redis username
+	// and password. The enforcer reads it as environment variables; it never enters a ConfigMap.
+	// +optional
+	CredentialsSecretRef *CredentialsSecretRef `json:"credentialsSecretRef,omitempty"`
+
+	// tls turns on TLS to Redis. Absent means plain TCP.
+	// +optional
+	TLS *RedisTLS `json:"tls,omitempty"`
+
+	// timeout bounds every Redis call of a decision. When it passes, rules apply their
+	// failureMode. Defaults to 50ms.
+	// +optional
+	Timeout *Duration `json:"timeout,omitempty"`
+}
+
+// RedisMode is a Redis topology.
+//
+// +kubebuilder:validation:Enum=Standalone;Sentinel;Cluster
+type RedisMode string
+
+// Redis modes.
+const (
+	RedisStandalone RedisMode = "Standalone"
+	RedisSentinel   RedisMode = "Sentinel"
+	RedisCluster    RedisMode = "Cluster"
+)
+
+// HostPort is a network address: a host name or IP address and a port, such as
+// redis.example:6379 or [fd00::1]:6379.
+//
+// +kubebuilder:validation:MaxLength=261
+// +kubebuilder:validation:XValidation:rule="self.matches('^([a-zA-Z0-9.-]+|\\\\[[0-9a-fA-F:.]+\\\\]):[0-9]{1,5}$')",message="must be host:port, such as redis.example:6379 or [fd00::1]:6379"
+type HostPort string
+
+// CredentialsSecretRef names the Secret keys that hold Redis credentials.
+type CredentialsSecretRef struct {
+	// name is the Secret's name, in the policy's namespace.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	Name string `json:"name"`
+
+	// usernameKey is the key of the username. Absent means no username (Redis "default" user).
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	UsernameKey string `json:"usernameKey,omitempty"`
+
+	// passwordKey is the key of the password.
+	// +optional
+	// +kubebuilder:default=password
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	PasswordKey string `json:"passwordKey,omitempty"`
+}
+
+// RedisTLS configures TLS to Redis.
+type RedisTLS struct {
+	// caSecretRef names a Secret key holding the PEM CA bundle that signs the Redis certificate.
+	// Absent means the system roots.
+	// +optional
+	CASecretRef *SecretKeyRef `json:"caSecretRef,omitempty"`
+
+	// serverName is the name to verify in the Redis certificate. Absent means the host of the
+	// address.
+	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	ServerName string `json:"serverName,omitempty"`
+}
+
+// SecretKeyRef names one key of a Secret in the policy's namespace.
+type SecretKeyRef struct {
+	// name is the Secret's name.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	Name string `json:"name"`
+
+	// key is the key inside the Secret.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	Key string `json:"key"`
+}
+
+// ManagedRedis is a Redis that the operator runs for this policy, configured as a rate-limit
+// store: no persistence, bounded memory, eviction of keys closest to their expiry.
+type ManagedRedis struct {
+	// image is the Redis image. Absent means the manager's default.
+	// +optional
+	// +kubebuilder:validation:MaxLength=512
+	Image string `json:"image,omitempty"`
+
+	// maxMemory bounds the memory Redis uses for counters.
+	// +optional
+	// +kubebuilder:default="256Mi"
+	MaxMemory *resource.Quantity `json:"maxMemory,omitempty"`
+
+	// resources are the Redis container's compute resources.
+	// +optional
+	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+}
+
+// EnforcerSpec shapes the enforcer Deployment.
+type EnforcerSpec struct {
+	// replicas is the number of enforcer pods. Defaults to 1 with memory storage and 2 otherwise.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	Replicas *int32 `json:"replicas,omitempty"`
+
+	// image is the enforcer image. Absent means the manager's default.
+	// +optional
+	// +kubebuilder:validation:MaxLength=512
+	Image string `json:"image,omitempty"`
+
+	// resources are the enforcer container's compute resources.
+	// +optional
+	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+}
+
+// RateLimitPolicyStatus reports what the controller and the enforcer really do.
+type RateLimitPolicyStatus struct {
+	// observedGeneration is the spec generation that the conditions describe.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// conditions are Accepted, Programmed, Ready and Degraded.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	// +kubebuilder:validation:MaxItems=8
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+
+	// enforcer reports the enforcer Deployment.
+	// +optional
+	Enforcer *EnforcerStatus `json:"enforcer,omitempty"`
+}
+
+// EnforcerStatus reports the enforcer Deployment.
+type EnforcerStatus struct {
+	// serviceName is the Service that clients send traffic to instead of the target.
+	// +optional
+	// +kubebuilder:validation:MaxLength=63
+	ServiceName string `json:"serviceName,omitempty"`
+
+	// replicas is the desired number of enforcer pods.
+	// +optional
+	Replicas int32 `json:"replicas,omitempty"`
+
+	// readyReplicas is the number of enforcer pods that are ready with the current config.
+	// +optional
+	ReadyReplicas int32 `json:"readyReplicas,omitempty"`
+
+	// configRevision identifies the compiled config the enforcer runs.
+	// +optional
+	// +kubebuilder:validation:MaxLength=64
+	ConfigRevision string `json:"configRevision,omitempty"`
+}

@@ -1,0 +1,300 @@
+// Package crd_test proves the RateLimitPolicy schema on a real kube-apiserver: samples are
+// accepted, invalid policies are rejected by their CEL rules with human messages, and the
+// status subresource, printer columns, short name and server-side apply behave as designed.
+package crd_test
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/test/testenv"
+)
+
+var k8s client.Client
+
+func TestMain(m *testing.M) {
+	env, err := testenv.Start()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	if err := apiextensionsv1.AddToScheme(scheme.Scheme); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	k8s = env.Client
+	code := m.Run()
+	if err := env.Stop(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+	}
+	os.Exit(code)
+}
+
+func newNamespace(t *testing.T) string {
+	t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "crd-"}}
+	if err := k8s.Create(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+	return ns.Name
+}
+
+// readObjects decodes every YAML document of a file.
+func readObjects(t *testing.T, path string) []*unstructured.Unstructured {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = f.Close() }()
+	var objs []*unstructured.Unstructured
+	dec := utilyaml.NewYAMLOrJSONDecoder(bufio.NewReader(f), 4096)
+	for {
+		u := &unstructured.Unstructured{}
+		if err := dec.Decode(&u.Object); err != nil {
+			if errors.Is(err, io.EOF) {
+				return objs
+			}
+			t.Fatalf("decode %s: %v", path, err)
+		}
+		if len(u.Object) > 0 {
+			objs = append(objs, u)
+		}
+	}
+}
+
+func TestSamplesWhenAppliedThenAcceptedWithDefaults(t *testing.T) {
+	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "config", "samples", "*.yaml"))
+	if len(files) < 6 {
+		t.Fatalf("found %d samples, want at least 6", len(files))
+	}
+	ns := newNamespace(t)
+	ctx := context.Background()
+	for _, file := range files {
+		t.Run(filepath.Base(file), func(t *testing.T) {
+			for _, u := range readObjects(t, file) {
+				if u.GroupVersionKind() != testenv.GVK {
+					continue
+				}
+				u.SetNamespace(ns)
+				if err := k8s.Patch(ctx, u, client.Apply, client.FieldOwner("test"), client.ForceOwnership); err != nil { //nolint:staticcheck // unstructured apply
+					t.Fatalf("apply %s: %v", u.GetName(), err)
+				}
+				got := &v1alpha1.RateLimitPolicy{}
+				if err := k8s.Get(ctx, client.ObjectKeyFromObject(u), got); err != nil {
+					t.Fatal(err)
+				}
+				for _, r := range got.Spec.Rules {
+					if r.Cost == nil || r.Mode == "" {
+						t.Errorf("rule %s: cost %v, mode %q; want both defaulted by the schema", r.Name, r.Cost, r.Mode)
+					}
+				}
+				if got.Spec.DefaultFailureMode == "" {
+					t.Error("defaultFailureMode not defaulted")
+				}
+			}
+		})
+	}
+}
+
+// invalidCase is a file of test/testdata/invalid: a policy and the field and message it must be
+// rejected with, from its "# field:" and "# message:" header lines.
+type invalidCase struct {
+	file, field, message string
+}
+
+func readInvalidCases(t *testing.T) []invalidCase {
+	t.Helper()
+	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "test", "testdata", "invalid", "*.yaml"))
+	var cases []invalidCase
+	for _, file := range files {
+		data, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := invalidCase{file: file}
+		for _, line := range strings.Split(string(data), "\n") {
+			if v, ok := strings.CutPrefix(line, "# field: "); ok {
+				c.field = v
+			}
+			if v, ok := strings.CutPrefix(line, "# message: "); ok {
+				c.message = v
+			}
+		}
+		if c.field == "" || c.message == "" {
+			t.Fatalf("%s lacks its '# field:' or '# message:' line", file)
+		}
+		cases = append(cases, c)
+	}
+	return cases
+}
+
+func TestInvalidPoliciesWhenCreatedThenRejectedNamingTheField(t *testing.T) {
+	cases := readInvalidCases(t)
+	if len(cases) < 15 {
+		t.Fatalf("found %d invalid policies, want at least 15", len(cases))
+	}
+	ns := newNamespace(t)
+	for _, c := range cases {
+		t.Run(filepath.Base(c.file), func(t *testing.T) {
+			objs := readObjects(t, c.file)
+			if len(objs) != 1 {
+				t.Fatalf("want one policy per file, got %d", len(objs))
+			}
+			u := objs[0]
+			u.SetNamespace(ns)
+			err := k8s.Create(context.Background(), u)
+			if !apierrors.IsInvalid(err) {
+				t.Fatalf("create: got %v, want an Invalid error", err)
+			}
+			var status apierrors.APIStatus
+			if !errors.As(err, &status) || status.Status().Details == nil {
+				t.Fatalf("error %v has no details", err)
+			}
+			for _, cause := range status.Status().Details.Causes {
+				if cause.Field == c.field && strings.Contains(cause.Message, c.message) {
+					return
+				}
+			}
+			t.Errorf("no cause at %s containing %q; got:\n%v", c.field, c.message, err)
+		})
+	}
+}
+
+func TestCRDWhenInstalledThenHasShortNameColumnsAndStatusSubresource(t *testing.T) {
+	crd := &apiextensionsv1.CustomResourceDefinition{}
+	if err := k8s.Get(context.Background(), client.ObjectKey{Name: "ratelimitpolicies.ratelimit.sluice.dev"}, crd); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]string{"rlp"}, crd.Spec.Names.ShortNames); diff != "" {
+		t.Errorf("short names (-want +got):\n%s", diff)
+	}
+	if crd.Spec.Scope != apiextensionsv1.NamespaceScoped {
+		t.Errorf("scope = %s, want Namespaced", crd.Spec.Scope)
+	}
+	v := crd.Spec.Versions[0]
+	if v.Subresources == nil || v.Subresources.Status == nil {
+		t.Error("no status subresource")
+	}
+	var columns []string
+	for _, c := range v.AdditionalPrinterColumns {
+		columns = append(columns, c.Name)
+	}
+	if diff := cmp.Diff([]string{"Target", "Rules", "Ready", "Age"}, columns); diff != "" {
+		t.Errorf("printer columns (-want +got):\n%s", diff)
+	}
+}
+
+func validPolicy(ns, name string) *v1alpha1.RateLimitPolicy {
+	return &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+			Rules: []v1alpha1.Rule{{
+				Name:        "a",
+				FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1s"},
+			}},
+		},
+	}
+}
+
+func TestStatusWhenWrittenThroughMainResourceThenIgnoredAndThroughSubresourceThenKept(t *testing.T) {
+	ctx := context.Background()
+	p := validPolicy(newNamespace(t), "status")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	p.Status.ObservedGeneration = 7
+	if err := k8s.Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if p.Status.ObservedGeneration != 0 {
+		t.Errorf("status written through the main resource: observedGeneration = %d", p.Status.ObservedGeneration)
+	}
+	p.Status.ObservedGeneration = 7
+	p.Status.Conditions = []metav1.Condition{{
+		Type: v1alpha1.ConditionReady, Status: metav1.ConditionFalse, Reason: v1alpha1.ReasonRollingOut,
+		Message: "waiting", LastTransitionTime: metav1.Now(),
+	}}
+	if err := k8s.Status().Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	got := &v1alpha1.RateLimitPolicy{}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Status.ObservedGeneration != 7 || len(got.Status.Conditions) != 1 {
+		t.Errorf("status after subresource update = %+v", got.Status)
+	}
+}
+
+// Rules are a map list keyed by name, so two appliers can own different rules of one policy.
+func TestRulesWhenAppliedByTwoManagersThenMergedByName(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	apply := func(owner string, rule map[string]any) {
+		t.Helper()
+		u := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": v1alpha1.GroupVersion.String(), "kind": "RateLimitPolicy",
+			"metadata": map[string]any{"name": "merged", "namespace": ns},
+			"spec": map[string]any{
+				"targetRef": map[string]any{"name": "api", "port": int64(8080)},
+				"rules":     []any{rule},
+			},
+		}}
+		if err := k8s.Patch(ctx, u, client.Apply, client.FieldOwner(owner)); err != nil { //nolint:staticcheck // unstructured apply
+			t.Fatalf("apply as %s: %v", owner, err)
+		}
+	}
+	apply("team-a", map[string]any{"name": "a", "fixedWindow": map[string]any{"limit": int64(10), "window": "1s"}})
+	apply("team-b", map[string]any{"name": "b", "slidingLog": map[string]any{"limit": int64(5), "window": "1m"}})
+
+	got := &v1alpha1.RateLimitPolicy{}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "merged"}, got); err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, r := range got.Spec.Rules {
+		names = append(names, r.Name)
+	}
+	if diff := cmp.Diff([]string{"a", "b"}, names); diff != "" {
+		t.Errorf("rule names (-want +got):\n%s", diff)
+	}
+}
+
+// Durations in the schema are the ones Go parses the same way.
+func TestDurationWhenAcceptedByTheSchemaThenParsesInGo(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	for i, d := range []v1alpha1.Duration{"1ms", "500ms", "1m30s", "720h", "1h1m1s1ms"} {
+		p := validPolicy(ns, fmt.Sprintf("d%d", i))
+		p.Spec.Rules[0].FixedWindow.Window = d
+		p.Spec.Rules[0].Cost = ptr.To[int64](1)
+		if err := k8s.Create(ctx, p); err != nil {
+			t.Errorf("window %q rejected: %v", d, err)
+			continue
+		}
+		if _, err := d.Parse(); err != nil {
+			t.Errorf("window %q accepted by the schema but not by Go: %v", d, err)
+		}
+	}
+}

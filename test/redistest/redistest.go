@@ -1,0 +1,256 @@
+// Package redistest starts real redis-server processes on free loopback ports for tests: a
+// standalone node and a cluster of masters. Tests never rely on a Redis that is already running.
+package redistest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Server is one redis-server process.
+type Server struct {
+	Port int
+	dir  string
+	args []string
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// Addr is the server's loopback address.
+func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.Port)) }
+
+// NewServer starts a standalone Redis that is stopped when the test ends.
+func NewServer(t testing.TB) *Server {
+	t.Helper()
+	s, err := StartServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// StartServer starts a standalone Redis. The caller stops it.
+func StartServer() (*Server, error) { return start(nil) }
+
+func start(extra []string) (*Server, error) {
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		return nil, errors.New("redis-server is not on PATH: run 'make redis-server' or install Redis 7")
+	}
+	dir, err := os.MkdirTemp("", "sluice-redis-")
+	if err != nil {
+		return nil, err
+	}
+	var lastErr error
+	for range 5 {
+		port, err := freePort(extra != nil)
+		if err != nil {
+			return nil, err
+		}
+		s := &Server{Port: port, dir: dir, args: append([]string{
+			"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--dir", dir,
+			"--save", "", "--appendonly", "no", "--logfile", filepath.Join(dir, "redis.log"),
+		}, extra...)}
+		if lastErr = s.Start(); lastErr == nil {
+			return s, nil
+		}
+	}
+	_ = os.RemoveAll(dir)
+	return nil, lastErr
+}
+
+// Start (re)starts the process on the same port and waits until it answers PING.
+func (s *Server) Start() error {
+	cmd := exec.Command("redis-server", s.args...)
+	// The server must not outlive a crashed test binary.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start redis-server: %w", err)
+	}
+	s.cmd, s.done = cmd, make(chan struct{})
+	go func(done chan struct{}) { _ = cmd.Wait(); close(done) }(s.done)
+
+	c := redis.NewClient(&redis.Options{Addr: s.Addr(), MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
+	defer func() { _ = c.Close() }()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case <-s.done:
+			log, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
+			return fmt.Errorf("redis-server on port %d exited: %s", s.Port, lastLines(string(log), 5))
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		err := c.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return nil
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	s.Kill()
+	return fmt.Errorf("redis-server on port %d did not answer PING within 10s", s.Port)
+}
+
+// Kill ends the process at once, as a crash would, and waits for it to exit.
+func (s *Server) Kill() {
+	if s.cmd == nil {
+		return
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGCONT) // a paused process must wake to die
+	_ = s.cmd.Process.Kill()
+	<-s.done
+	s.cmd = nil
+}
+
+// Pause freezes the process with SIGSTOP: connections stay open but nothing is answered.
+func (s *Server) Pause() { _ = s.cmd.Process.Signal(syscall.SIGSTOP) }
+
+// Resume wakes a paused process.
+func (s *Server) Resume() { _ = s.cmd.Process.Signal(syscall.SIGCONT) }
+
+// Stop kills the process and removes its directory.
+func (s *Server) Stop() {
+	s.Kill()
+	_ = os.RemoveAll(s.dir)
+}
+
+// Client returns a client of this server, closed when the test ends.
+func (s *Server) Client(t testing.TB) *redis.Client {
+	c := redis.NewClient(&redis.Options{Addr: s.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// Cluster is a Redis Cluster of masters without replicas.
+type Cluster struct {
+	Nodes []*Server
+}
+
+// Addrs are the nodes' addresses, usable as seeds.
+func (c *Cluster) Addrs() []string {
+	addrs := make([]string, len(c.Nodes))
+	for i, n := range c.Nodes {
+		addrs[i] = n.Addr()
+	}
+	return addrs
+}
+
+// NewCluster starts a cluster of n masters that is stopped when the test ends.
+func NewCluster(t testing.TB, n int) *Cluster {
+	t.Helper()
+	c, err := StartCluster(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Stop)
+	return c
+}
+
+// StartCluster starts n masters, joins them with `redis-cli --cluster create`, and waits until
+// every node reports cluster_state:ok. The caller stops it.
+func StartCluster(n int) (*Cluster, error) {
+	c := &Cluster{}
+	for range n {
+		s, err := start([]string{
+			"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+			"--cluster-node-timeout", "5000",
+		})
+		if err != nil {
+			c.Stop()
+			return nil, err
+		}
+		c.Nodes = append(c.Nodes, s)
+	}
+	args := append([]string{"--cluster", "create"}, c.Addrs()...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
+		c.Stop()
+		return nil, fmt.Errorf("redis-cli --cluster create: %w: %s", err, lastLines(string(out), 5))
+	}
+	if err := c.waitOK(30 * time.Second); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) waitOK(timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for _, n := range c.Nodes {
+		rc := redis.NewClient(&redis.Options{Addr: n.Addr()})
+		for {
+			info, err := rc.ClusterInfo(context.Background()).Result()
+			if err == nil && strings.Contains(info, "cluster_state:ok") {
+				break
+			}
+			if time.Now().After(deadline) {
+				_ = rc.Close()
+				return fmt.Errorf("cluster node %s not ok after %v (%s): %w", n.Addr(), timeout, info, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		_ = rc.Close()
+	}
+	return nil
+}
+
+// Stop stops every node.
+func (c *Cluster) Stop() {
+	for _, n := range c.Nodes {
+		n.Stop()
+	}
+}
+
+// Client returns a cluster client, closed when the test ends.
+func (c *Cluster) Client(t testing.TB) *redis.ClusterClient {
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
+	t.Cleanup(func() { _ = cc.Close() })
+	return cc
+}
+
+// freePort finds a free loopback port. For cluster nodes the cluster bus port (port+10000) must
+// be free too.
+func freePort(withBus bool) (int, error) {
+	for range 50 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		_ = l.Close()
+		if !withBus {
+			return port, nil
+		}
+		if port+10000 > 65535 {
+			continue
+		}
+		bus, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port+10000)))
+		if err != nil {
+			continue
+		}
+		_ = bus.Close()
+		return port, nil
+	}
+	return 0, errors.New("no free loopback port")
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
