@@ -1,0 +1,265 @@
+// Package algorithm holds the five rate-limit algorithms as pure functions of
+// (state, now, limit, cost) -> (state, Decision). Time is an argument, never read here.
+//
+// Times are microseconds since the Unix epoch held in float64, the number type of Redis Lua: the
+// Redis store runs the same arithmetic, operation for operation, in scripts/decide.lua, so that
+// both stores reach identical decisions. Microsecond timestamps stay below 2^53, where float64
+// integers are exact.
+package algorithm
+
+import (
+	"math"
+	"time"
+)
+
+// Kind names an algorithm.
+type Kind uint8
+
+// The algorithms. The numbers are part of the Lua script's calling convention.
+const (
+	TokenBucket Kind = iota + 1
+	LeakyBucket
+	FixedWindow
+	SlidingLog
+	SlidingWindowCounter
+)
+
+var kindNames = [...]string{"", "token_bucket", "leaky_bucket", "fixed_window", "sliding_log", "sliding_window_counter"}
+
+// String is the snake_case name used in metric labels and Lua.
+func (k Kind) String() string {
+	if int(k) < len(kindNames) {
+		return kindNames[k]
+	}
+	return "unknown"
+}
+
+// Limit is one rule's algorithm and parameters.
+type Limit struct {
+	Kind Kind
+	// Limit is the bucket capacity (token and leaky bucket) or the units per window.
+	Limit int64
+	// Rate is the tokens (token bucket) or requests (leaky bucket) added or drained per Period.
+	Rate int64
+	// Period is the refill or drain period, or the window length.
+	Period time.Duration
+	// MaxWait is the longest a leaky-bucket request may be held.
+	MaxWait time.Duration
+}
+
+// State is one key's state. Which fields mean what depends on the Kind:
+//   - token bucket: T is the theoretical arrival time (the moment the bucket is full again);
+//   - leaky bucket: T is the next free departure time;
+//   - fixed window: W is the window index, N the units counted in it;
+//   - sliding window counter: W is the window index, N the current and P the previous count;
+//   - sliding log: Log holds the timestamps of the admitted units, oldest first.
+//
+// The zero State is an idle key.
+type State struct {
+	T, W, N, P float64
+	Log        []float64
+}
+
+// Decision is the outcome of one rule for one request.
+type Decision struct {
+	// Allowed is whether the rule admits the request.
+	Allowed bool
+	// Limit is the rule's capacity or limit.
+	Limit int64
+	// Remaining is how many units the rule would still admit now, after this request.
+	Remaining int64
+	// Reset is how long until the rule's state is back to idle (a full bucket, an empty window).
+	Reset time.Duration
+	// RetryAfter is, for a refusal, how long until the same request would pass if nothing else
+	// arrives.
+	RetryAfter time.Duration
+	// Wait is, for an admitted leaky-bucket request, how long to hold it before forwarding.
+	Wait time.Duration
+}
+
+// Micros converts a time to microseconds since the epoch, the unit of State.
+func Micros(t time.Time) float64 { return float64(t.UnixMicro()) }
+
+// Take decides a request of cost units at now (in microseconds, see Micros). It returns the new
+// state, which the caller stores only if the request is charged. Cost 0 checks without
+// charging: the returned state equals st.
+func (l Limit) Take(st State, now float64, cost int64) (State, Decision) {
+	switch l.Kind {
+	case TokenBucket:
+		return l.tokenBucket(st, now, cost)
+	case LeakyBucket:
+		return l.leakyBucket(st, now, cost)
+	case FixedWindow:
+		return l.fixedWindow(st, now, cost)
+	case SlidingLog:
+		return l.slidingLog(st, now, cost)
+	case SlidingWindowCounter:
+		return l.slidingWindowCounter(st, now, cost)
+	}
+	return st, Decision{}
+}
+
+// slack absorbs float rounding in comparisons: a bucket admits a request that fits to within a
+// microsecond (timestamps near 2^51 µs resolve only to 0.25µs), and a window counter one that fits to within a billionth of a unit, so that a
+// request repeated exactly at its retry-after passes. The Lua script uses the same values.
+const (
+	slackMicros = 1.0
+	slackUnits  = 1e-9
+)
+
+func micros(d time.Duration) float64 { return float64(d.Microseconds()) }
+
+// dur turns a non-negative span of microseconds into a duration, rounded up so that a client
+// that waits it is never early.
+func dur(us float64) time.Duration {
+	if us <= 0 {
+		return 0
+	}
+	return time.Duration(math.Ceil(us)) * time.Microsecond
+}
+
+// tokenBucket is GCRA: a bucket of Limit tokens refilled at Rate per Period is the same as a
+// theoretical arrival time T that each token pushes forward by one interval, and that may run at
+// most Limit intervals ahead of now. Refill is lazy: nothing happens between requests.
+func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) {
+	interval := micros(l.Period) / float64(l.Rate)
+	span := float64(l.Limit) * interval
+	base := math.Max(st.T, now)
+	need := base - now + float64(float64(cost)*interval)
+	d := Decision{Limit: l.Limit, Allowed: need <= span+slackMicros}
+	if d.Allowed {
+		if cost > 0 {
+			st.T = base + float64(float64(cost)*interval)
+		}
+	} else {
+		d.RetryAfter = dur(need - span)
+	}
+	ahead := math.Max(st.T, now) - now
+	d.Remaining = int64(math.Max(0, math.Floor((span-ahead)/interval)))
+	d.Reset = dur(ahead)
+	return st, d
+}
+
+// leakyBucket is a queue drained at Rate per Period, by virtual scheduling: T is the next free
+// departure time, and a request departs at max(T, now), taking cost drain intervals. The queue is
+// full when the wait plus the request would exceed Limit intervals.
+func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) {
+	interval := micros(l.Period) / float64(l.Rate)
+	span := float64(l.Limit) * interval
+	maxWait := micros(l.MaxWait)
+	start := math.Max(st.T, now)
+	wait := start - now
+	own := float64(float64(cost) * interval)
+	d := Decision{Limit: l.Limit, Allowed: wait+own <= span+slackMicros && wait <= maxWait+slackMicros}
+	if d.Allowed {
+		d.Wait = dur(wait)
+		if cost > 0 {
+			st.T = start + own
+		}
+	} else {
+		// The same request passes once the queue ahead of it is short enough for both bounds.
+		d.RetryAfter = dur(start - math.Min(span-own, maxWait) - now)
+	}
+	ahead := math.Max(st.T, now) - now
+	d.Remaining = int64(math.Max(0, math.Floor((span-ahead)/interval)))
+	d.Reset = dur(ahead)
+	return st, d
+}
+
+// fixedWindow counts units in clock-aligned windows. Up to twice the limit can pass around a
+// boundary: Limit at the end of one window and Limit at the start of the next.
+func (l Limit) fixedWindow(st State, now float64, cost int64) (State, Decision) {
+	window := micros(l.Period)
+	idx := math.Floor(now / window)
+	n := 0.0
+	if st.W == idx {
+		n = st.N
+	}
+	end := (idx+1)*window - now
+	d := Decision{Limit: l.Limit, Allowed: n+float64(cost) <= float64(l.Limit)}
+	if d.Allowed {
+		if cost > 0 {
+			n += float64(cost)
+			st.W, st.N = idx, n
+		}
+	} else {
+		d.RetryAfter = dur(end)
+	}
+	d.Remaining = l.Limit - int64(n)
+	if n > 0 {
+		d.Reset = dur(end)
+	}
+	return st, d
+}
+
+// slidingLog remembers every admitted unit for one window and admits a request when the units of
+// the last window plus its cost fit the limit. Exact, at the price of one entry per unit.
+func (l Limit) slidingLog(st State, now float64, cost int64) (State, Decision) {
+	window := micros(l.Period)
+	drop := 0
+	for drop < len(st.Log) && st.Log[drop] <= now-window {
+		drop++
+	}
+	log := st.Log[drop:]
+	n := int64(len(log))
+	d := Decision{Limit: l.Limit, Allowed: n+cost <= l.Limit}
+	if d.Allowed {
+		// Appending never changes the elements the caller's slice can see, so st stays valid
+		// for a caller that does not store the result.
+		for range cost {
+			log = append(log, now)
+		}
+	} else {
+		// The oldest n+cost-limit entries must leave the window first.
+		d.RetryAfter = dur(log[n+cost-l.Limit-1] + window - now)
+	}
+	if d.Allowed && cost > 0 || drop > 0 {
+		st.Log = log
+	}
+	d.Remaining = l.Limit - int64(len(log))
+	if len(log) > 0 {
+		d.Reset = dur(log[len(log)-1] + window - now)
+	}
+	return st, d
+}
+
+// slidingWindowCounter estimates the units of the last window as the current window's count plus
+// the previous window's count weighted by the share of it that the sliding window still covers.
+// Only the immediately preceding window carries over.
+func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, Decision) {
+	window := micros(l.Period)
+	idx := math.Floor(now / window)
+	start := idx * window
+	cur, prev := 0.0, 0.0
+	switch st.W {
+	case idx:
+		cur, prev = st.N, st.P
+	case idx - 1:
+		prev = st.N
+	}
+	limit := float64(l.Limit)
+	c := float64(cost)
+	est := float64(prev*(window-(now-start))/window) + cur
+	d := Decision{Limit: l.Limit, Allowed: est+c <= limit+slackUnits}
+	if d.Allowed {
+		if cost > 0 {
+			cur += c
+			est += c
+			st.W, st.N, st.P = idx, cur, prev
+		}
+	} else if room := limit - cur - c; room >= 0 {
+		// Within this window, once enough of the previous window has slid out.
+		d.RetryAfter = dur(start + window - room*window/prev - now)
+	} else {
+		// In the next window, where the current count becomes the weighted one.
+		d.RetryAfter = dur(start + window + math.Max(0, window-(limit-c)*window/cur) - now)
+	}
+	d.Remaining = int64(math.Max(0, math.Floor(limit-est)))
+	switch {
+	case cur > 0:
+		d.Reset = dur(start + 2*window - now)
+	case prev > 0:
+		d.Reset = dur(start + window - now)
+	}
+	return st, d
+}

@@ -1,0 +1,10 @@
+package store
+
+import "time"
+
+// SetClock makes the Redis store pass f's time to the script instead of letting it read Redis
+// TIME, so that tests can drive time. Production code cannot reach it.
+func (s *Redis) SetClock(f func() time.Time) { s.clock = f }
+
+// DecodeDecisions exposes the reply decoder to tests.
+var DecodeDecisions = decodeDecisions

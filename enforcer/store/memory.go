@@ -1,0 +1,247 @@
+package store
+
+import (
+	"context"
+	"hash/maphash"
+	"sync"
+	"time"
+
+	"github.com/sluice-dev/sluice/enforcer/algorithm"
+)
+
+const memoryShards = 64
+
+// MemoryOptions configure a Memory store.
+type MemoryOptions struct {
+	// MaxKeys bounds the number of keys held. When a shard is full, a new key evicts, among a
+	// sample of keys, the one closest to idle. Default 1,000,000.
+	MaxKeys int
+	// Now is the clock. Default time.Now.
+	Now func() time.Time
+	// SweepInterval is how often idle keys are removed. Default one second; negative disables
+	// the background sweep (tests call Sweep).
+	SweepInterval time.Duration
+}
+
+// Memory is the in-process store, exact for one enforcer replica. It is sharded so that requests
+// for different keys rarely contend: a decision locks only the shards of its keys, in ascending
+// order, and holds them while it checks and charges every rule.
+type Memory struct {
+	shards   [memoryShards]shard
+	seed     maphash.Seed
+	now      func() time.Time
+	perShard int
+	stop     chan struct{}
+	done     chan struct{}
+}
+
+type shard struct {
+	mu sync.Mutex
+	m  map[memoryKey]*memoryEntry
+	_  [40]byte // keep shards on separate cache lines
+}
+
+type memoryKey struct{ tag, rule string }
+
+type memoryEntry struct {
+	st algorithm.State
+	// idleAt is when the state is back to idle, in microseconds: from then on, dropping the
+	// entry changes no decision.
+	idleAt float64
+}
+
+// NewMemory returns a memory store. Close stops its background sweep.
+func NewMemory(opts MemoryOptions) *Memory {
+	if opts.MaxKeys <= 0 {
+		opts.MaxKeys = 1_000_000
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.SweepInterval == 0 {
+		opts.SweepInterval = time.Second
+	}
+	s := &Memory{
+		seed:     maphash.MakeSeed(),
+		now:      opts.Now,
+		perShard: max(1, opts.MaxKeys/memoryShards),
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+	for i := range s.shards {
+		s.shards[i].m = make(map[memoryKey]*memoryEntry)
+	}
+	if opts.SweepInterval > 0 {
+		go s.sweepEvery(opts.SweepInterval)
+	} else {
+		close(s.done)
+	}
+	return s
+}
+
+func (s *Memory) shardOf(c *Check) int {
+	var h maphash.Hash
+	h.SetSeed(s.seed)
+	_, _ = h.WriteString(c.Tag)
+	_ = h.WriteByte(0)
+	_, _ = h.WriteString(c.Rule)
+	return int(h.Sum64() % memoryShards)
+}
+
+// maxChecks bounds the rules of one decision, as the API bounds the rules of one policy.
+const maxChecks = 32
+
+// Decide implements Store.
+func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
+	if len(checks) > maxChecks {
+		return false, errTooManyChecks
+	}
+	var (
+		idx    [maxChecks]int
+		locked [maxChecks]int
+		states [maxChecks]algorithm.State
+	)
+	n := 0
+	for i := range checks {
+		idx[i] = s.shardOf(&checks[i])
+		// Insertion into the sorted, duplicate-free list of shards to lock.
+		j := n
+		for j > 0 && locked[j-1] > idx[i] {
+			j--
+		}
+		if j > 0 && locked[j-1] == idx[i] {
+			continue
+		}
+		copy(locked[j+1:n+1], locked[j:n])
+		locked[j] = idx[i]
+		n++
+	}
+	for _, sh := range locked[:n] {
+		s.shards[sh].mu.Lock()
+	}
+	defer func() {
+		for _, sh := range locked[:n] {
+			s.shards[sh].mu.Unlock()
+		}
+	}()
+
+	now := algorithm.Micros(s.now())
+	for i := range checks {
+		c := &checks[i]
+		var st algorithm.State
+		if e := s.shards[idx[i]].m[memoryKey{c.Tag, c.Rule}]; e != nil {
+			st = e.st
+		}
+		states[i], out[i] = c.Limit.Take(st, now, c.Cost)
+	}
+	if !charged(checks, out) {
+		// Nothing is charged, so the rules that would have allowed report their state as it
+		// stays: what a cost-0 check sees.
+		for i := range checks {
+			if c := &checks[i]; out[i].Allowed && c.Cost > 0 {
+				var st algorithm.State
+				if e := s.shards[idx[i]].m[memoryKey{c.Tag, c.Rule}]; e != nil {
+					st = e.st
+				}
+				_, out[i] = c.Limit.Take(st, now, 0)
+				out[i].Allowed = true
+			}
+		}
+		return false, nil
+	}
+	for i := range checks {
+		c := &checks[i]
+		if !out[i].Allowed || c.Cost == 0 {
+			continue
+		}
+		sh := &s.shards[idx[i]]
+		k := memoryKey{c.Tag, c.Rule}
+		e := sh.m[k]
+		if e == nil {
+			e = &memoryEntry{}
+			s.makeRoom(sh, now)
+			sh.m[k] = e
+		}
+		e.st = states[i]
+		e.idleAt = now + float64(out[i].Reset.Microseconds())
+	}
+	return true, nil
+}
+
+// evictionSample is how many entries a full shard looks at to choose the one to evict.
+const evictionSample = 8
+
+// makeRoom keeps a shard within its bound before an insert: it drops idle entries among a sample
+// and, if none is idle, the sampled entry closest to idle. Evicting a live entry forgets some
+// usage of one client; the bound is what keeps a flood of random keys from exhausting memory.
+func (s *Memory) makeRoom(sh *shard, now float64) {
+	if len(sh.m) < s.perShard {
+		return
+	}
+	var victim memoryKey
+	victimIdle, seen := 0.0, 0
+	for k, e := range sh.m {
+		if e.idleAt <= now {
+			delete(sh.m, k)
+		} else if seen == 0 || e.idleAt < victimIdle {
+			victim, victimIdle = k, e.idleAt
+		}
+		if seen++; seen >= evictionSample {
+			break
+		}
+	}
+	if len(sh.m) >= s.perShard {
+		delete(sh.m, victim)
+	}
+}
+
+// Sweep removes every entry whose state is back to idle.
+func (s *Memory) Sweep() {
+	now := algorithm.Micros(s.now())
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			if e.idleAt <= now {
+				delete(sh.m, k)
+			}
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// Len is the number of keys held.
+func (s *Memory) Len() int {
+	n := 0
+	for i := range s.shards {
+		s.shards[i].mu.Lock()
+		n += len(s.shards[i].m)
+		s.shards[i].mu.Unlock()
+	}
+	return n
+}
+
+func (s *Memory) sweepEvery(d time.Duration) {
+	defer close(s.done)
+	t := time.NewTicker(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+			s.Sweep()
+		}
+	}
+}
+
+// Close stops the background sweep.
+func (s *Memory) Close() error {
+	select {
+	case <-s.stop:
+	default:
+		close(s.stop)
+	}
+	<-s.done
+	return nil
+}

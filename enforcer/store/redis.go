@@ -1,0 +1,274 @@
+package store
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	_ "embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sluice-dev/sluice/enforcer/algorithm"
+)
+
+var (
+	//go:embed scripts/decide.lua
+	decideLua    string
+	decideScript = redis.NewScript(decideLua)
+
+	//go:embed scripts/refund.lua
+	refundLua    string
+	refundScript = redis.NewScript(refundLua)
+)
+
+// RedisMode is a Redis topology.
+type RedisMode string
+
+// Redis topologies.
+const (
+	Standalone RedisMode = "Standalone"
+	Sentinel   RedisMode = "Sentinel"
+	Cluster    RedisMode = "Cluster"
+)
+
+// RedisOptions configure a Redis store.
+type RedisOptions struct {
+	Mode       RedisMode
+	Addrs      []string
+	MasterName string
+	DB         int
+	Username   string
+	Password   string
+	TLS        *tls.Config
+	// Timeout bounds each call. Default 50ms.
+	Timeout time.Duration
+	// PoolSize is the number of connections per node. Default go-redis's (10 per CPU).
+	PoolSize int
+}
+
+// Redis is the store for many enforcer replicas. Each decision is one Lua script per hash tag:
+// on a standalone or Sentinel Redis every key lives on one server, so a decision is exactly one
+// script call and one round trip, whatever the number of rules. On a Cluster, rules with the
+// same client key share a tag and are decided by one script; rules with different client keys
+// are decided by one script per tag, and when any of them refuses, a refund script gives back
+// what the others charged. See docs/guarantees.md.
+//
+// Decisions are never retried: a script that timed out may still run, and a retry would charge
+// twice. A timeout is an error, and the caller applies each rule's failure mode.
+type Redis struct {
+	client  redis.UniversalClient
+	cluster bool
+	timeout time.Duration
+	idBase  string
+	seq     atomic.Uint64
+	// clock, when set by tests, replaces Redis TIME. Production leaves it nil.
+	clock func() time.Time
+}
+
+// NewRedis connects to Redis. It does not wait for Redis to answer: decisions fail until it does.
+func NewRedis(opts RedisOptions) (*Redis, error) {
+	if len(opts.Addrs) == 0 {
+		return nil, errors.New("redis: no addresses")
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 50 * time.Millisecond
+	}
+	uo := &redis.UniversalOptions{
+		Addrs:                 opts.Addrs,
+		DB:                    opts.DB,
+		Username:              opts.Username,
+		Password:              opts.Password,
+		TLSConfig:             opts.TLS,
+		DialTimeout:           opts.Timeout,
+		ReadTimeout:           opts.Timeout,
+		WriteTimeout:          opts.Timeout,
+		PoolTimeout:           opts.Timeout,
+		ContextTimeoutEnabled: true,
+		PoolSize:              opts.PoolSize,
+		// No retries and no redirects: a replayed decision would charge twice. After a MOVED
+		// reply the slot map reloads, and the next decision goes to the right node.
+		MaxRetries:   -1,
+		MaxRedirects: -1,
+	}
+	var client redis.UniversalClient
+	switch opts.Mode {
+	case Standalone, "":
+		if len(opts.Addrs) != 1 {
+			return nil, fmt.Errorf("redis: mode Standalone takes one address, got %d", len(opts.Addrs))
+		}
+		client = redis.NewClient(uo.Simple())
+	case Sentinel:
+		if opts.MasterName == "" {
+			return nil, errors.New("redis: mode Sentinel needs a master name")
+		}
+		uo.MasterName = opts.MasterName
+		client = redis.NewFailoverClient(uo.Failover())
+	case Cluster:
+		client = redis.NewClusterClient(uo.Cluster())
+	default:
+		return nil, fmt.Errorf("redis: unknown mode %q", opts.Mode)
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return &Redis{
+		client:  client,
+		cluster: opts.Mode == Cluster,
+		timeout: opts.Timeout,
+		idBase:  hex.EncodeToString(b[:]) + ".",
+	}, nil
+}
+
+// Client is the underlying client, for health checks.
+func (s *Redis) Client() redis.UniversalClient { return s.client }
+
+// Close closes the connections.
+func (s *Redis) Close() error { return s.client.Close() }
+
+// Decide implements Store.
+func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
+	if len(checks) > maxChecks {
+		return false, errTooManyChecks
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	id := s.idBase + strconv.FormatUint(s.seq.Add(1), 36)
+
+	groups := s.groups(checks)
+	if len(groups) == 1 {
+		ok, _, err := s.run(ctx, checks, groups[0], id, out)
+		return ok, err
+	}
+	// Cluster, several tags: each group is decided by its own script; any refusal refunds the
+	// groups that charged.
+	all := true
+	var chargedAt [maxChecks]int64
+	for gi, g := range groups {
+		ok, at, err := s.run(ctx, checks, g, id, out)
+		if err != nil {
+			s.refund(ctx, checks, groups[:gi], chargedAt[:gi], id, out)
+			return false, err
+		}
+		chargedAt[gi] = at
+		if !ok {
+			all = false
+			chargedAt[gi] = 0
+		}
+	}
+	if !all {
+		s.refund(ctx, checks, groups, chargedAt[:len(groups)], id, out)
+	}
+	return all, nil
+}
+
+var errTooManyChecks = fmt.Errorf("more than %d rules in one decision", maxChecks)
+
+// groups partitions the checks into the sets one script may decide: all of them, except on a
+// Cluster, where checks are grouped by tag.
+func (s *Redis) groups(checks []Check) [][]int {
+	if !s.cluster {
+		g := make([]int, len(checks))
+		for i := range g {
+			g[i] = i
+		}
+		return [][]int{g}
+	}
+	var groups [][]int
+	for i := range checks {
+		placed := false
+		for gi, g := range groups {
+			if checks[g[0]].Tag == checks[i].Tag {
+				groups[gi] = append(g, i)
+				placed = true
+				break
+			}
+		}
+		if !placed {
+			groups = append(groups, []int{i})
+		}
+	}
+	return groups
+}
+
+// run decides one group with one script call. It returns whether the group charged and the
+// time it decided at, in microseconds.
+func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string, out []algorithm.Decision) (bool, int64, error) {
+	keys := make([]string, len(group))
+	args := make([]any, 2, 2+7*len(group))
+	args[0], args[1] = "", id
+	if s.clock != nil {
+		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
+	}
+	for i, ci := range group {
+		c := &checks[ci]
+		keys[i] = c.Key()
+		enforce := "0"
+		if c.Enforce {
+			enforce = "1"
+		}
+		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
+			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce)
+	}
+	reply, err := decideScript.Run(ctx, s.client, keys, args...).Result()
+	if err != nil {
+		return false, 0, fmt.Errorf("run the decide script: %w", err)
+	}
+	return decodeDecisions(reply, checks, group, out)
+}
+
+// decodeDecisions reads the decide script's reply: {charged, now_us, then per rule allowed,
+// remaining, reset_us, retry_us, wait_us}. Anything else is ErrUnexpectedReply, never a panic.
+func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Decision) (bool, int64, error) {
+	vals, ok := reply.([]any)
+	if !ok || len(vals) != 2+5*len(group) {
+		return false, 0, fmt.Errorf("%w: %T of %d values for %d rules", ErrUnexpectedReply, reply, len(vals), len(group))
+	}
+	ints := make([]int64, len(vals))
+	for i, v := range vals {
+		n, ok := v.(int64)
+		if !ok {
+			return false, 0, fmt.Errorf("%w: value %d is %T", ErrUnexpectedReply, i, v)
+		}
+		ints[i] = n
+	}
+	for i, ci := range group {
+		r := ints[2+5*i:]
+		out[ci] = algorithm.Decision{
+			Allowed:    r[0] == 1,
+			Limit:      checks[ci].Limit.Limit,
+			Remaining:  r[1],
+			Reset:      time.Duration(r[2]) * time.Microsecond,
+			RetryAfter: time.Duration(r[3]) * time.Microsecond,
+			Wait:       time.Duration(r[4]) * time.Microsecond,
+		}
+	}
+	return ints[0] == 1, ints[1], nil
+}
+
+// refund gives back what the groups with a non-zero charge time charged. Best effort: an error
+// leaves the charge, which expires with its key.
+func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, chargedAt []int64, id string, out []algorithm.Decision) {
+	for gi, g := range groups {
+		if chargedAt[gi] == 0 {
+			continue
+		}
+		keys := make([]string, 0, len(g))
+		args := []any{chargedAt[gi], id}
+		for _, ci := range g {
+			c := &checks[ci]
+			if c.Cost == 0 || !out[ci].Allowed {
+				continue // not charged: a check or a refusing shadow rule
+			}
+			keys = append(keys, c.Key())
+			args = append(args, int(c.Limit.Kind), c.Limit.Rate, c.Limit.Period.Microseconds(), c.Cost)
+		}
+		if len(keys) > 0 {
+			_ = refundScript.Run(ctx, s.client, keys, args...).Err()
+		}
+	}
+}

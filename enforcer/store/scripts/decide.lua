@@ -1,0 +1,215 @@
+-- decide.lua decides one request against every rule whose key shares this call's hash tag. It
+-- checks all rules first and charges them only if every enforced rule allows: a refused request
+-- consumes nothing. The arithmetic mirrors enforcer/algorithm operation for operation, so both
+-- stores reach identical decisions.
+--
+-- KEYS[i]   the key of rule i
+-- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
+-- ARGV[2]   a request id, unique per request: sliding-log members are id:1..id:cost
+-- ARGV[3+7(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0)
+--
+-- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us}.
+--
+-- State, one key per rule, always with a TTL of the time after which it is idle again. The TTL
+-- only collects garbage: window indexes are stored in the values, so a key that outlives its
+-- window is never misread.
+--   token bucket, leaky bucket: string "T"        (theoretical arrival / next free departure)
+--   fixed window:               string "W N"      (window index, count)
+--   sliding window counter:     string "W N P"    (window index, current count, previous count)
+--   sliding log:                sorted set of members id:j scored by admission time
+
+local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local id = ARGV[2]
+
+-- Numbers given to redis.call are formatted with 14 digits; timestamps need 17.
+local function fmt(x) return string.format('%.17g', x) end
+-- Comparison slack, as in enforcer/algorithm: 1µs for buckets, 1e-9 units for window counters.
+local SLACK_US, SLACK_UNITS = 1, 1e-9
+
+local function us(x) if x <= 0 then return 0 end return ceil(x) end
+local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
+
+-- evaluate decides rule i for a request of cost units. It returns allowed, remaining, reset_us,
+-- retry_us, wait_us and the value to write if the request is charged. It changes nothing, except
+-- that a sliding log drops entries that left its window.
+local function evaluate(i, cost)
+  local b = 3 + (i - 1) * 7
+  local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  local key = KEYS[i]
+  local allowed, remaining, reset, retry, wait = false, 0, 0, 0, 0
+  local write
+  if kind == 1 or kind == 2 then
+    local interval = period / rate
+    local span = limit * interval
+    local t = tonumber(redis.call('GET', key) or '0')
+    local nt = t
+    if kind == 1 then
+      local base = max(t, now)
+      local need = base - now + cost * interval
+      allowed = need <= span + SLACK_US
+      if allowed then
+        if cost > 0 then nt = base + cost * interval end
+      else
+        retry = us(need - span)
+      end
+    else
+      local start = max(t, now)
+      local w = start - now
+      local own = cost * interval
+      allowed = w + own <= span + SLACK_US and w <= maxwait + SLACK_US
+      if allowed then
+        wait = us(w)
+        if cost > 0 then nt = start + own end
+      else
+        retry = us(start - min(span - own, maxwait) - now)
+      end
+    end
+    local ahead = max(nt, now) - now
+    remaining = max(0, floor((span - ahead) / interval))
+    reset = us(ahead)
+    if allowed and cost > 0 then write = {fmt(nt)} end
+
+  elseif kind == 3 then
+    local idx = floor(now / period)
+    local v = redis.call('GET', key)
+    local n = 0
+    if v then
+      local w, c = string.match(v, '^(%S+) (%S+)$')
+      if tonumber(w) == idx then n = tonumber(c) end
+    end
+    local ending = (idx + 1) * period - now
+    allowed = n + cost <= limit
+    if allowed then
+      if cost > 0 then
+        n = n + cost
+        write = {fmt(idx) .. ' ' .. fmt(n)}
+      end
+    else
+      retry = us(ending)
+    end
+    remaining = limit - n
+    if n > 0 then reset = us(ending) end
+
+  elseif kind == 5 then
+    local idx = floor(now / period)
+    local start = idx * period
+    local cur, prev = 0, 0
+    local v = redis.call('GET', key)
+    if v then
+      local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
+      w = tonumber(w)
+      if w == idx then
+        cur, prev = tonumber(c), tonumber(p)
+      elseif w == idx - 1 then
+        prev = tonumber(c)
+      end
+    end
+    local est = prev * (period - (now - start)) / period + cur
+    allowed = est + cost <= limit + SLACK_UNITS
+    if allowed then
+      if cost > 0 then
+        cur = cur + cost
+        est = est + cost
+        write = {fmt(idx) .. ' ' .. fmt(cur) .. ' ' .. fmt(prev)}
+      end
+    elseif limit - cur - cost >= 0 then
+      local room = limit - cur - cost
+      retry = us(start + period - room * period / prev - now)
+    else
+      retry = us(start + period + max(0, period - (limit - cost) * period / cur) - now)
+    end
+    remaining = max(0, floor(limit - est))
+    if cur > 0 then
+      reset = us(start + 2 * period - now)
+    elseif prev > 0 then
+      reset = us(start + period - now)
+    end
+
+  elseif kind == 4 then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now - period))
+    local n = redis.call('ZCARD', key)
+    allowed = n + cost <= limit
+    local newest
+    if allowed then
+      if cost > 0 then
+        n = n + cost
+        newest = now
+        write = true
+      end
+    else
+      local e = redis.call('ZRANGE', key, n + cost - limit - 1, n + cost - limit - 1, 'WITHSCORES')
+      retry = us(tonumber(e[2]) + period - now)
+    end
+    if not newest and n > 0 then
+      newest = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+    end
+    remaining = limit - n
+    if newest then reset = us(newest + period - now) end
+
+  else
+    error('sluice: unknown algorithm ' .. tostring(ARGV[b]))
+  end
+
+  return allowed, remaining, reset, retry, wait, write
+end
+
+local n = #KEYS
+local res = {}
+local commit = true
+for i = 1, n do
+  local cost = tonumber(ARGV[3 + (i - 1) * 7 + 5])
+  local r = {evaluate(i, cost)}
+  res[i] = r
+  if ARGV[3 + (i - 1) * 7 + 6] == '1' and not r[1] then commit = false end
+end
+
+local out = {commit and 1 or 0, now}
+for i = 1, n do
+  local r = res[i]
+  local cost = tonumber(ARGV[3 + (i - 1) * 7 + 5])
+  if not commit and r[1] and cost > 0 then
+    -- Nothing is charged, so a rule that would have allowed reports its state as it stays.
+    r = {evaluate(i, 0)}
+    r[1] = true
+  end
+  out[#out + 1] = r[1] and 1 or 0
+  out[#out + 1] = r[2]
+  out[#out + 1] = r[3]
+  out[#out + 1] = r[4]
+  out[#out + 1] = r[5]
+end
+if not commit then return out end
+
+for i = 1, n do
+  local r = res[i]
+  local b = 3 + (i - 1) * 7
+  local kind, cost = tonumber(ARGV[b]), tonumber(ARGV[b + 5])
+  if r[1] and r[6] then
+    local key, reset = KEYS[i], r[3]
+    if kind == 4 then
+      local score = fmt(now)
+      local args = {}
+      for j = 1, cost do
+        args[#args + 1] = score
+        args[#args + 1] = id .. ':' .. j
+        if #args >= 200 or j == cost then
+          redis.call('ZADD', key, unpack(args))
+          args = {}
+        end
+      end
+      redis.call('PEXPIRE', key, ttl(reset))
+    else
+      redis.call('SET', key, r[6][1], 'PX', ttl(reset))
+    end
+  end
+end
+return out

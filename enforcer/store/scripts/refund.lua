@@ -1,0 +1,50 @@
+-- refund.lua undoes what decide.lua charged for one request when another hash tag of the same
+-- request refused it (Redis Cluster only: keys of different tags live in different slots, so one
+-- script cannot check them all). Keys keep their TTL.
+--
+-- KEYS[i]   the key of rule i
+-- ARGV[1]   the time decide.lua charged at, in microseconds
+-- ARGV[2]   the request id decide.lua was given
+-- ARGV[3+4(i-1) ...] per rule: kind, rate, period_us, cost
+
+local floor = math.floor
+local now = tonumber(ARGV[1])
+local id = ARGV[2]
+local function fmt(x) return string.format('%.17g', x) end
+
+for i = 1, #KEYS do
+  local b = 3 + (i - 1) * 4
+  local kind, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1])
+  local period, cost = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  local key = KEYS[i]
+  local v
+  if kind ~= 4 then v = redis.call('GET', key) end -- kind 4 is a sorted set
+  if kind == 1 or kind == 2 then
+    if v then
+      redis.call('SET', key, fmt(tonumber(v) - cost * (period / rate)), 'KEEPTTL')
+    end
+  elseif kind == 3 then
+    if v then
+      local w, n = string.match(v, '^(%S+) (%S+)$')
+      if tonumber(w) == floor(now / period) then
+        redis.call('SET', key, w .. ' ' .. fmt(math.max(0, tonumber(n) - cost)), 'KEEPTTL')
+      end
+    end
+  elseif kind == 5 then
+    if v then
+      local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
+      local idx = floor(now / period)
+      if tonumber(w) == idx then
+        c = fmt(math.max(0, tonumber(c) - cost))
+      elseif tonumber(w) == idx + 1 then
+        p = fmt(math.max(0, tonumber(p) - cost))
+      end
+      redis.call('SET', key, w .. ' ' .. c .. ' ' .. p, 'KEEPTTL')
+    end
+  elseif kind == 4 then
+    for j = 1, cost do
+      redis.call('ZREM', key, id .. ':' .. j)
+    end
+  end
+end
+return 1

@@ -1,0 +1,56 @@
+// Package store keeps rate-limit state and decides requests against it: in memory for one
+// enforcer replica, or in Redis (standalone, Sentinel or Cluster) for many.
+//
+// Every store decides all the rules that match a request together: it checks every rule first
+// and charges them only if every enforced rule allows, so a refused request consumes nothing.
+package store
+
+import (
+	"context"
+	"errors"
+
+	"github.com/sluice-dev/sluice/enforcer/algorithm"
+)
+
+// Check is one rule to decide for one request.
+type Check struct {
+	// Limit is the rule's algorithm and parameters.
+	Limit algorithm.Limit
+	// Cost is how many units the request consumes; 0 checks without consuming.
+	Cost int64
+	// Enforce is false for shadow rules: they never cause a refusal, and are charged only when
+	// they allow, as if each were the only rule.
+	Enforce bool
+	// Tag identifies the client within its policy, "<namespace>/<policy>:<hashed client key>".
+	// The Redis key of a check is sluice:{Tag}:Rule, so rules that share a client key share a
+	// Redis Cluster hash slot.
+	Tag string
+	// Rule is the rule's name.
+	Rule string
+}
+
+// Key is the Redis key of the check.
+func (c *Check) Key() string { return "sluice:{" + c.Tag + "}:" + c.Rule }
+
+// Store decides requests.
+type Store interface {
+	// Decide decides one request: out[i] receives the decision of checks[i] (len(out) must be at
+	// least len(checks)). It reports whether the request was charged, which is whether every
+	// enforced check allowed it.
+	Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (charged bool, err error)
+	// Close releases the store's resources.
+	Close() error
+}
+
+// ErrUnexpectedReply means Redis answered a script with something the store cannot decode.
+var ErrUnexpectedReply = errors.New("unexpected reply from the decide script")
+
+// charged reports whether every enforced check allowed.
+func charged(checks []Check, out []algorithm.Decision) bool {
+	for i := range checks {
+		if checks[i].Enforce && !out[i].Allowed {
+			return false
+		}
+	}
+	return true
+}
