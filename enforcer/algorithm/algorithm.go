@@ -99,9 +99,10 @@ func (l Limit) Take(st State, now float64, cost int64) (State, Decision) {
 	return st, Decision{}
 }
 
-// slack absorbs float rounding in comparisons: a bucket admits a request that fits to within a
-// microsecond (timestamps near 2^51 µs resolve only to 0.25µs), and a window counter one that fits to within a billionth of a unit, so that a
-// request repeated exactly at its retry-after passes. The Lua script uses the same values.
+// slack absorbs float rounding in comparisons, so that a request repeated exactly at its
+// retry-after passes: a bucket admits a request that fits to within a microsecond (timestamps
+// near 2^51µs resolve only to 0.25µs), a window counter one that fits to within a billionth of a
+// unit. The Lua script uses the same values.
 const (
 	slackMicros = 1.0
 	slackUnits  = 1e-9

@@ -48,7 +48,9 @@ func TestCompileWhenPolicyIsValidThenRulesCarryParametersInRuntimeUnits(t *testi
 }
 
 func TestCompileWhenPolicyCanNeverWorkThenErrorNamesTheField(t *testing.T) {
-	window := func(limit int64, w v1alpha1.Duration) *v1alpha1.Window { return &v1alpha1.Window{Limit: limit, Window: w} }
+	window := func(limit int64, w v1alpha1.Duration) *v1alpha1.Window {
+		return &v1alpha1.Window{Limit: limit, Window: w}
+	}
 	cases := []struct {
 		name  string
 		rules []v1alpha1.Rule

@@ -79,13 +79,10 @@ func NewMemory(opts MemoryOptions) *Memory {
 	return s
 }
 
+// shardOf shards by client: all rules of one client share a shard, so the common decision takes
+// one lock.
 func (s *Memory) shardOf(c *Check) int {
-	var h maphash.Hash
-	h.SetSeed(s.seed)
-	_, _ = h.WriteString(c.Tag)
-	_ = h.WriteByte(0)
-	_, _ = h.WriteString(c.Rule)
-	return int(h.Sum64() % memoryShards)
+	return int(maphash.String(s.seed, c.Tag) % memoryShards)
 }
 
 // maxChecks bounds the rules of one decision, as the API bounds the rules of one policy.
@@ -93,14 +90,13 @@ const maxChecks = 32
 
 // Decide implements Store.
 func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
-	if len(checks) > maxChecks {
+	switch {
+	case len(checks) > maxChecks:
 		return false, errTooManyChecks
+	case len(checks) == 1:
+		return s.decideOne(&checks[0], out)
 	}
-	var (
-		idx    [maxChecks]int
-		locked [maxChecks]int
-		states [maxChecks]algorithm.State
-	)
+	var idx, locked [maxChecks]int
 	n := 0
 	for i := range checks {
 		idx[i] = s.shardOf(&checks[i])
@@ -125,47 +121,83 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		}
 	}()
 
+	var buf [4]algorithm.State
+	states := buf[:0]
+	if len(checks) > len(buf) {
+		states = make([]algorithm.State, 0, len(checks))
+	}
 	now := algorithm.Micros(s.now())
 	for i := range checks {
 		c := &checks[i]
-		var st algorithm.State
-		if e := s.shards[idx[i]].m[memoryKey{c.Tag, c.Rule}]; e != nil {
-			st = e.st
-		}
-		states[i], out[i] = c.Limit.Take(st, now, c.Cost)
+		st, d := c.Limit.Take(s.shards[idx[i]].state(c), now, c.Cost)
+		states, out[i] = append(states, st), d
 	}
 	if !charged(checks, out) {
 		// Nothing is charged, so the rules that would have allowed report their state as it
 		// stays: what a cost-0 check sees.
 		for i := range checks {
 			if c := &checks[i]; out[i].Allowed && c.Cost > 0 {
-				var st algorithm.State
-				if e := s.shards[idx[i]].m[memoryKey{c.Tag, c.Rule}]; e != nil {
-					st = e.st
-				}
-				_, out[i] = c.Limit.Take(st, now, 0)
+				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
 				out[i].Allowed = true
 			}
 		}
 		return false, nil
 	}
 	for i := range checks {
-		c := &checks[i]
-		if !out[i].Allowed || c.Cost == 0 {
-			continue
-		}
-		sh := &s.shards[idx[i]]
-		k := memoryKey{c.Tag, c.Rule}
-		e := sh.m[k]
+		s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
+	}
+	return true, nil
+}
+
+// decideOne is Decide for the common single-rule request: one shard, no bookkeeping.
+func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
+	sh := &s.shards[s.shardOf(c)]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	now := algorithm.Micros(s.now())
+	k := memoryKey{c.Tag, c.Rule}
+	e := sh.m[k] // one lookup serves both the read and the write
+	var st algorithm.State
+	if e != nil {
+		st = e.st
+	}
+	st, d := c.Limit.Take(st, now, c.Cost)
+	out[0] = d
+	if c.Enforce && !d.Allowed {
+		return false, nil
+	}
+	if d.Allowed && c.Cost > 0 {
 		if e == nil {
 			e = &memoryEntry{}
 			s.makeRoom(sh, now)
 			sh.m[k] = e
 		}
-		e.st = states[i]
-		e.idleAt = now + float64(out[i].Reset.Microseconds())
+		e.st, e.idleAt = st, now+float64(d.Reset.Microseconds())
 	}
 	return true, nil
+}
+
+func (sh *shard) state(c *Check) algorithm.State {
+	if e := sh.m[memoryKey{c.Tag, c.Rule}]; e != nil {
+		return e.st
+	}
+	return algorithm.State{}
+}
+
+// store keeps the state a charged check produced. The caller holds the shard's lock.
+func (s *Memory) store(sh *shard, c *Check, st algorithm.State, d algorithm.Decision, now float64) {
+	if !d.Allowed || c.Cost == 0 {
+		return // a check, or a shadow rule that would refuse: nothing to charge
+	}
+	k := memoryKey{c.Tag, c.Rule}
+	e := sh.m[k]
+	if e == nil {
+		e = &memoryEntry{}
+		s.makeRoom(sh, now)
+		sh.m[k] = e
+	}
+	e.st = st
+	e.idleAt = now + float64(d.Reset.Microseconds())
 }
 
 // evictionSample is how many entries a full shard looks at to choose the one to evict.

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -437,6 +439,60 @@ func TestRedisWhenNoClockIsSetThenDecisionsUseRedisTime(t *testing.T) {
 	}
 }
 
+// countHook counts the commands and pipelines a client sends: its round trips.
+type countHook struct{ n *atomic.Int64 }
+
+func (h countHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h countHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h.n.Add(1); return next(ctx, cmd) }
+}
+func (h countHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error { h.n.Add(1); return next(ctx, cmds) }
+}
+
+// scriptCalls is how many scripts Redis ran (EVALSHA and EVAL), from INFO commandstats. Commands
+// that scripts call are counted there too, under their own names, and are left out.
+func scriptCalls(tb testing.TB, c *redis.Client) int64 {
+	info, err := c.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var total int64
+	for _, m := range regexp.MustCompile(`cmdstat_(evalsha|eval):calls=(\d+)`).FindAllStringSubmatch(info, -1) {
+		n, _ := strconv.ParseInt(m[2], 10, 64)
+		total += n
+	}
+	return total
+}
+
+// One decision is one round trip and one script, whatever the number of rules.
+func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil).(*store.Redis)
+	admin := standalone.Client(t)
+	var trips atomic.Int64
+	s.Client().AddHook(countHook{&trips})
+	for _, rules := range []int{1, 5, 32} {
+		var checks []store.Check
+		for i := range rules {
+			checks = append(checks, store.Check{Limit: allKinds(10, time.Minute)[i%5], Cost: 1, Enforce: true, Tag: uniqueTag(t, rules), Rule: "r" + strconv.Itoa(i)})
+		}
+		out := make([]algorithm.Decision, rules)
+		if _, err := s.Decide(context.Background(), checks, out); err != nil { // loads the script
+			t.Fatal(err)
+		}
+		trips.Store(0)
+		before := scriptCalls(t, admin)
+		for range 10 {
+			if _, err := s.Decide(context.Background(), checks, out); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got, scripts := trips.Load(), scriptCalls(t, admin)-before; got != 10 || scripts != 10 {
+			t.Errorf("%d rules: %d round trips and %d scripts for 10 decisions, want 10 and 10", rules, got, scripts)
+		}
+	}
+}
+
 func TestDecodeWhenReplyIsUnexpectedThenErrorNotPanic(t *testing.T) {
 	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 5}}}
 	out := make([]algorithm.Decision, 1)
@@ -459,7 +515,7 @@ func TestTagWhenClientKeyHasAnyBytesThenLayoutHoldsAndRawKeyIsAbsent(t *testing.
 			t.Errorf("raw client key %q appears in %q", key, k)
 		}
 	}
-	if store.Tag("p", "a") == store.Tag("p", "b") || store.Tag("p", "a") != store.Tag("p", "a") {
+	if a, again := store.Tag("p", "a"), store.Tag("p", "a"); a == store.Tag("p", "b") || a != again {
 		t.Error("tags do not tell client keys apart deterministically")
 	}
 }
