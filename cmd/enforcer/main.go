@@ -1,13 +1,114 @@
-// Command enforcer is the Sluice data plane. The server is not built yet: this binary only says
-// so, and exits with an error rather than pretend to enforce anything.
+// Command enforcer is the Sluice data plane: a reverse proxy and a check API that decide every
+// request against RateLimitPolicy rules. Flags and environment become an enforcer.Config; the
+// rest is enforcer.Run.
+//
+//	enforcer --policy FILE.yaml --upstream http://HOST:PORT [--listen :8080] [--check-listen :8081]
+//	         [--admin-listen :9090] [--redis-url redis://HOST:PORT/DB | --redis-cluster H:P,H:P,...
+//	         | --redis-sentinel H:P,... --redis-master NAME]
+//
+// Without a Redis flag the enforcer keeps counters in memory, exact for one replica. Redis
+// credentials come from REDIS_USERNAME and REDIS_PASSWORD, never from flags.
 package main
 
 import (
+	"context"
+	"errors"
+	"flag"
 	"fmt"
+	"log/slog"
+	"net/url"
 	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/enforcer/store"
 )
 
 func main() {
-	fmt.Fprintln(os.Stderr, "sluice enforcer: the data-plane server is not built yet; nothing is enforced")
-	os.Exit(2)
+	log := logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, nil))
+	cfg, err := parse(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "enforcer:", err)
+		os.Exit(2)
+	}
+	cfg.Log = log
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := enforcer.Run(ctx, cfg); err != nil {
+		log.Error(err, "Enforcer failed")
+		os.Exit(1)
+	}
+}
+
+func parse(args []string) (enforcer.Config, error) {
+	fs := flag.NewFlagSet("enforcer", flag.ContinueOnError)
+	var (
+		cfg                                   enforcer.Config
+		upstream, redisURL, cluster, sentinel string
+		master                                string
+		timeout                               time.Duration
+	)
+	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
+	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass, such as http://127.0.0.1:3000.")
+	fs.StringVar(&cfg.Listen, "listen", ":8080", "Address of the reverse proxy.")
+	fs.StringVar(&cfg.CheckListen, "check-listen", ":8081", "Address of the check API for ingress forward-auth; empty disables it.")
+	fs.StringVar(&cfg.AdminListen, "admin-listen", ":9090", "Address of /metrics, /healthz and /readyz; empty disables it.")
+	fs.StringVar(&redisURL, "redis-url", "", "Standalone Redis, redis://HOST:PORT/DB or rediss:// for TLS.")
+	fs.StringVar(&cluster, "redis-cluster", "", "Redis Cluster seed nodes, HOST:PORT,HOST:PORT,...")
+	fs.StringVar(&sentinel, "redis-sentinel", "", "Redis Sentinel addresses, HOST:PORT,...; needs --redis-master.")
+	fs.StringVar(&master, "redis-master", "", "The master set name the sentinels watch.")
+	fs.DurationVar(&timeout, "redis-timeout", 50*time.Millisecond, "Deadline of each Redis call; past it rules apply their failure mode.")
+	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain at shutdown.")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if cfg.PolicyFile == "" {
+		return cfg, errors.New("--policy is required")
+	}
+	if upstream != "" {
+		u, err := url.Parse(upstream)
+		if err != nil || u.Scheme == "" || u.Host == "" {
+			return cfg, fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000", upstream)
+		}
+		cfg.Upstream = u
+	}
+	set := 0
+	for _, v := range []string{redisURL, cluster, sentinel} {
+		if v != "" {
+			set++
+		}
+	}
+	if set > 1 {
+		return cfg, errors.New("--redis-url, --redis-cluster and --redis-sentinel exclude each other")
+	}
+	opts := store.RedisOptions{Timeout: timeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
+	switch {
+	case redisURL != "":
+		u, err := redis.ParseURL(redisURL)
+		if err != nil {
+			return cfg, fmt.Errorf("--redis-url: %w", err)
+		}
+		opts.Mode, opts.Addrs, opts.DB, opts.TLS = store.Standalone, []string{u.Addr}, u.DB, u.TLSConfig
+		if u.Username != "" || u.Password != "" {
+			opts.Username, opts.Password = u.Username, u.Password
+		}
+	case cluster != "":
+		opts.Mode, opts.Addrs = store.Cluster, strings.Split(cluster, ",")
+	case sentinel != "":
+		if master == "" {
+			return cfg, errors.New("--redis-sentinel needs --redis-master")
+		}
+		opts.Mode, opts.Addrs, opts.MasterName = store.Sentinel, strings.Split(sentinel, ","), master
+	default:
+		return cfg, nil // memory store
+	}
+	cfg.Redis = &opts
+	return cfg, nil
 }

@@ -1,0 +1,645 @@
+package enforcer_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dunglas/httpsfv"
+	"github.com/go-logr/logr"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/test/redistest"
+)
+
+// upstream is a real HTTP server that records what reaches it.
+type upstream struct {
+	*httptest.Server
+	hits     atomic.Int64
+	mu       sync.Mutex
+	arrivals []time.Time
+	delay    atomic.Int64 // nanoseconds each request to /slow takes
+}
+
+func newUpstream(t *testing.T) *upstream {
+	u := &upstream{}
+	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		u.hits.Add(1)
+		u.mu.Lock()
+		u.arrivals = append(u.arrivals, time.Now())
+		u.mu.Unlock()
+		if strings.HasPrefix(r.URL.Path, "/slow") {
+			time.Sleep(time.Duration(u.delay.Load()))
+		}
+		w.Header().Set("X-Seen-Forwarded-For", r.Header.Get("X-Forwarded-For"))
+		_, _ = io.Copy(w, r.Body)
+	}))
+	t.Cleanup(u.Close)
+	return u
+}
+
+type running struct {
+	*enforcer.Enforcer
+	proxy, check, admin string
+	file                string
+	stop                context.CancelFunc
+}
+
+// start runs an enforcer on loopback ports with the given policy documents.
+func start(t *testing.T, policy string, up *upstream, redisOpts *store.RedisOptions, tweak ...func(*enforcer.Config)) *running {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "policy.yaml")
+	if err := os.WriteFile(file, []byte(policy), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := enforcer.Config{
+		PolicyFile: file, ReloadInterval: 100 * time.Millisecond,
+		Listen: "127.0.0.1:0", CheckListen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
+		Redis: redisOpts, ShutdownTimeout: 5 * time.Second, Log: logr.Discard(),
+	}
+	if up != nil {
+		cfg.Upstream, _ = url.Parse(up.URL)
+	}
+	for _, f := range tweak {
+		f(&cfg)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	e, err := enforcer.Start(ctx, cfg)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cancel()
+		_ = e.Wait()
+	})
+	return &running{Enforcer: e, proxy: "http://" + e.ProxyAddr, check: "http://" + e.CheckAddr, admin: "http://" + e.AdminAddr, file: file, stop: cancel}
+}
+
+func policyDoc(name, rules string, extra ...string) string {
+	return fmt.Sprintf(`apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: %s, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+%s  rules:
+%s`, name, strings.Join(extra, ""), rules)
+}
+
+var client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}, Timeout: 10 * time.Second}
+
+// reply is what tests read of a response; get has already drained and closed its body.
+type reply struct {
+	StatusCode int
+	Header     http.Header
+}
+
+// get sends a GET with header name/value pairs.
+func get(t *testing.T, u string, header ...string) reply {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, u, nil)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Error(err) // not Fatal: get runs in goroutines too
+		return reply{Header: http.Header{}}
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	return reply{resp.StatusCode, resp.Header}
+}
+
+// rateLimit parses the RateLimit-Policy and RateLimit fields as structured-field lists and
+// returns q, w, r and t of their one item.
+func rateLimit(t *testing.T, h http.Header) (q, w, r, tt int64) {
+	t.Helper()
+	pol, err := httpsfv.UnmarshalList(h.Values("RateLimit-Policy"))
+	if err != nil || len(pol) != 1 {
+		t.Fatalf("RateLimit-Policy %q: %v", h.Values("RateLimit-Policy"), err)
+	}
+	lim, err := httpsfv.UnmarshalList(h.Values("RateLimit"))
+	if err != nil || len(lim) != 1 {
+		t.Fatalf("RateLimit %q: %v", h.Values("RateLimit"), err)
+	}
+	param := func(m httpsfv.Member, k string) int64 {
+		v, ok := m.(httpsfv.Item).Params.Get(k)
+		if !ok {
+			t.Fatalf("parameter %s missing", k)
+		}
+		return v.(int64)
+	}
+	return param(pol[0], "q"), param(pol[0], "w"), param(lim[0], "r"), param(lim[0], "t")
+}
+
+var (
+	sharedRedis *redistest.Server
+	redisOnce   sync.Once
+)
+
+func standalone(t *testing.T) *store.RedisOptions {
+	redisOnce.Do(func() {
+		var err error
+		if sharedRedis, err = redistest.StartServer(); err != nil {
+			t.Fatal(err)
+		}
+	})
+	return &store.RedisOptions{Addrs: []string{sharedRedis.Addr()}, Timeout: 2 * time.Second}
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if sharedRedis != nil {
+		sharedRedis.Stop()
+	}
+	os.Exit(code)
+}
+
+func stores(t *testing.T) map[string]*store.RedisOptions {
+	return map[string]*store.RedisOptions{"memory": nil, "redis": standalone(t)}
+}
+
+func TestProxyWhenManyConcurrentRequestsThenExactlyTheLimitPassesWithHeaders(t *testing.T) {
+	for name, opts := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			up := newUpstream(t)
+			e := start(t, policyDoc(name+"-exact", `    - name: per-key
+      tokenBucket: {capacity: 20, refill: {tokens: 1, period: 720h}}
+      key: [{type: Header, name: X-Api-Key}]
+`), up, opts)
+			var wg sync.WaitGroup
+			var ok, limited atomic.Int64
+			for range 200 {
+				wg.Go(func() {
+					resp := get(t, e.proxy+"/orders", "X-Api-Key", "k1")
+					switch resp.StatusCode {
+					case http.StatusOK:
+						ok.Add(1)
+					case http.StatusTooManyRequests:
+						limited.Add(1)
+						if ra, err := strconv.Atoi(resp.Header.Get("Retry-After")); err != nil || ra < 1 {
+							t.Errorf("Retry-After %q on a 429", resp.Header.Get("Retry-After"))
+						}
+						if q, w, r, _ := rateLimit(t, resp.Header); q != 20 || r != 0 || w != 720*3600*20 {
+							t.Errorf("429 headers q=%d w=%d r=%d", q, w, r)
+						}
+					}
+				})
+			}
+			wg.Wait()
+			if ok.Load() != 20 || limited.Load() != 180 || up.hits.Load() != 20 {
+				t.Errorf("%d passed, %d limited, upstream saw %d; want 20, 180, 20", ok.Load(), limited.Load(), up.hits.Load())
+			}
+		})
+	}
+}
+
+func TestProxyWhenRetryAfterHasPassedThenTheSameRequestPasses(t *testing.T) {
+	for name, opts := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			e := start(t, policyDoc(name+"-retry", `    - name: slow
+      slidingLog: {limit: 2, window: 1500ms}
+`), newUpstream(t), opts)
+			get(t, e.proxy+"/")
+			get(t, e.proxy+"/")
+			resp := get(t, e.proxy+"/")
+			if resp.StatusCode != http.StatusTooManyRequests {
+				t.Fatalf("third request: %d, want 429", resp.StatusCode)
+			}
+			ra, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+			if ra != 2 {
+				t.Errorf("Retry-After %d, want 2 (1.5s rounded up)", ra)
+			}
+			time.Sleep(time.Duration(ra) * time.Second)
+			if resp := get(t, e.proxy+"/"); resp.StatusCode != http.StatusOK {
+				t.Errorf("after Retry-After: %d, want 200", resp.StatusCode)
+			}
+		})
+	}
+}
+
+// The leaky bucket holds requests so that the upstream sees an even flow: never closer than one
+// drain interval, never more than capacity waiting; the rest are refused.
+func TestProxyWhenLeakyBucketIsFloodedThenUpstreamSeesAnEvenFlow(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("leaky", `    - name: queue
+      leakyBucket: {capacity: 5, drain: {requests: 10, period: 1s}}
+`), up, nil)
+	var wg sync.WaitGroup
+	var ok, limited atomic.Int64
+	for range 12 {
+		wg.Go(func() {
+			switch get(t, e.proxy+"/").StatusCode {
+			case http.StatusOK:
+				ok.Add(1)
+			case http.StatusTooManyRequests:
+				limited.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if ok.Load() != 5 || limited.Load() != 7 {
+		t.Fatalf("%d passed, %d refused; want 5 (the queue) and 7", ok.Load(), limited.Load())
+	}
+	up.mu.Lock()
+	defer up.mu.Unlock()
+	slices.SortFunc(up.arrivals, func(a, b time.Time) int { return a.Compare(b) })
+	for i := 1; i < len(up.arrivals); i++ {
+		if gap := up.arrivals[i].Sub(up.arrivals[i-1]); gap < 95*time.Millisecond {
+			t.Errorf("arrivals %d and %d are %v apart, want at least 100ms - 5ms", i-1, i, gap)
+		}
+	}
+}
+
+// Each rule fails on its own: while Redis is down (killed, or frozen with SIGSTOP), fail-open
+// rules pass and fail-closed rules refuse with 503, promptly once the breaker is open; when Redis
+// returns, decisions go back to it within 5 seconds.
+func TestProxyWhenRedisFailsThenEachRuleAppliesItsFailureMode(t *testing.T) {
+	for _, how := range []string{"killed", "paused"} {
+		t.Run(how, func(t *testing.T) {
+			srv := redistest.NewServer(t)
+			const deadline = 50 * time.Millisecond
+			e := start(t, policyDoc("failure-"+how, `    - name: catalogue
+      match: {path: {type: Prefix, value: /catalogue}}
+      fixedWindow: {limit: 1000, window: 1h}
+      failureMode: Open
+    - name: payments
+      match: {path: {type: Prefix, value: /payments}}
+      fixedWindow: {limit: 1000, window: 1h}
+      failureMode: Closed
+`), newUpstream(t), &store.RedisOptions{Addrs: []string{srv.Addr()}, Timeout: deadline})
+			if get(t, e.proxy+"/payments").StatusCode != http.StatusOK {
+				t.Fatal("payments refused while Redis is up")
+			}
+			if how == "killed" {
+				srv.Kill()
+			} else {
+				srv.Pause()
+			}
+			for range 5 { // trip the breaker
+				get(t, e.proxy+"/catalogue")
+			}
+			var latencies []time.Duration
+			for i := range 100 {
+				path := "/catalogue"
+				want := http.StatusOK
+				if i%2 == 1 {
+					path, want = "/payments", http.StatusServiceUnavailable
+				}
+				t0 := time.Now()
+				resp := get(t, e.proxy+path)
+				latencies = append(latencies, time.Since(t0))
+				if resp.StatusCode != want {
+					t.Fatalf("%s with Redis %s: %d, want %d", path, how, resp.StatusCode, want)
+				}
+				if want == http.StatusServiceUnavailable && resp.Header.Get("Retry-After") == "" {
+					t.Fatal("503 without Retry-After")
+				}
+			}
+			slices.Sort(latencies)
+			if p99 := latencies[98]; p99 > deadline+10*time.Millisecond {
+				t.Errorf("p99 latency %v with Redis %s, want under %v", p99, how, deadline+10*time.Millisecond)
+			}
+			if how == "killed" {
+				if err := srv.Start(); err != nil { // an empty Redis: scripts must be loaded again
+					t.Fatal(err)
+				}
+			} else {
+				srv.Resume()
+			}
+			back := time.Now()
+			for get(t, e.proxy+"/payments").StatusCode != http.StatusOK {
+				if time.Since(back) > 5*time.Second {
+					t.Fatal("decisions did not go back to Redis within 5s")
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			t.Logf("back on Redis after %v", time.Since(back))
+		})
+	}
+}
+
+// A spoofed X-Forwarded-For from a peer outside trustedProxies changes nothing; from a trusted
+// proxy, the right-most untrusted hop is the client.
+func TestProxyWhenXForwardedForIsSpoofedThenTheLimitHolds(t *testing.T) {
+	rules := `    - name: per-address
+      fixedWindow: {limit: 3, window: 1h}
+      key: [{type: RemoteAddress}]
+`
+	up := newUpstream(t)
+	untrusted := start(t, policyDoc("spoof", rules), up, nil)
+	passed := 0
+	for i := range 20 {
+		if get(t, untrusted.proxy+"/", "X-Forwarded-For", fmt.Sprintf("198.51.100.%d", i)).StatusCode == http.StatusOK {
+			passed++
+		}
+	}
+	if passed != 3 {
+		t.Errorf("untrusted peer with 20 spoofed addresses: %d passed, want 3", passed)
+	}
+	trusted := start(t, policyDoc("behind-proxy", rules, "  trustedProxies: [\"127.0.0.0/8\"]\n"), up, nil)
+	passed = 0
+	for i := range 20 {
+		// The client forges the left hop; the trusted proxy appended the real address.
+		xff := fmt.Sprintf("198.51.100.%d, 203.0.113.7", i)
+		if get(t, trusted.proxy+"/", "X-Forwarded-For", xff).StatusCode == http.StatusOK {
+			passed++
+		}
+	}
+	if passed != 3 {
+		t.Errorf("one real client behind a trusted proxy: %d passed, want 3", passed)
+	}
+	if resp := get(t, trusted.proxy+"/", "X-Forwarded-For", "203.0.113.8"); resp.StatusCode != http.StatusOK {
+		t.Errorf("another client behind the proxy: %d, want 200", resp.StatusCode)
+	}
+}
+
+// A request without the key's header is limited by its client address, not pooled with every
+// other request that lacks the header.
+func TestProxyWhenKeyHeaderIsMissingThenClientsAreKeyedByAddress(t *testing.T) {
+	e := start(t, policyDoc("missing-key", `    - name: per-api-key
+      fixedWindow: {limit: 1, window: 1h}
+      key: [{type: Header, name: X-Api-Key}]
+`, "  trustedProxies: [\"127.0.0.0/8\"]\n"), newUpstream(t), nil)
+	statuses := []int{
+		get(t, e.proxy+"/", "X-Forwarded-For", "203.0.113.1").StatusCode,
+		get(t, e.proxy+"/", "X-Forwarded-For", "203.0.113.1").StatusCode,
+		get(t, e.proxy+"/", "X-Forwarded-For", "203.0.113.2").StatusCode,
+		get(t, e.proxy+"/", "X-Forwarded-For", "203.0.113.2", "X-Api-Key", "k").StatusCode,
+	}
+	if want := []int{200, 429, 200, 200}; !slices.Equal(statuses, want) {
+		t.Errorf("statuses %v, want %v", statuses, want)
+	}
+}
+
+func metric(t *testing.T, admin, name string) float64 {
+	t.Helper()
+	resp, err := client.Get(admin + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	total := 0.0
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, name) {
+			f := strings.Fields(line)
+			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
+			total += v
+		}
+	}
+	return total
+}
+
+func TestProxyWhenRuleIsShadowThenNothingIsRefusedButWouldLimitIsCounted(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("shadow", `    - name: trial
+      mode: Shadow
+      fixedWindow: {limit: 2, window: 1h}
+`), up, nil)
+	for range 10 {
+		if s := get(t, e.proxy+"/").StatusCode; s != http.StatusOK {
+			t.Fatalf("shadow rule refused: %d", s)
+		}
+	}
+	if n := metric(t, e.admin, `sluice_decisions_total{policy="test/shadow",result="shadow_limited"`); n != 8 {
+		t.Errorf("shadow_limited = %v, want 8", n)
+	}
+}
+
+func TestCheckAPIWhenOriginalRequestIsDescribedThenItIsDecidedAndNothingForwarded(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("check", `    - name: writes
+      match: {methods: [POST], path: {type: Exact, value: /orders}}
+      fixedWindow: {limit: 2, window: 1h}
+`, "  trustedProxies: [\"127.0.0.0/8\"]\n"), up, nil)
+	nginx := []string{"X-Original-Method", "POST", "X-Original-URL", "https://shop.example/orders?id=1"}
+	traefik := []string{"X-Forwarded-Method", "POST", "X-Forwarded-Uri", "/orders"}
+	got := []int{get(t, e.check, nginx...).StatusCode, get(t, e.check, traefik...).StatusCode, get(t, e.check, nginx...).StatusCode,
+		get(t, e.check, "X-Original-Method", "GET", "X-Original-URL", "/orders").StatusCode, get(t, e.check+"/").StatusCode}
+	if want := []int{200, 200, 429, 200, 400}; !slices.Equal(got, want) {
+		t.Errorf("statuses %v, want %v (two writes, a refusal, an unmatched read, a request without the original)", got, want)
+	}
+	if up.hits.Load() != 0 {
+		t.Errorf("the check API forwarded %d requests", up.hits.Load())
+	}
+}
+
+// A changed file takes effect within 2 seconds without dropping in-flight requests or resetting
+// counters; an invalid file is refused and the last good policy stays.
+func TestEnforcerWhenPolicyFileChangesThenReloadsWithoutLosingState(t *testing.T) {
+	up := newUpstream(t)
+	doc := func(limit int) string {
+		return policyDoc("reload", fmt.Sprintf(`    - name: hourly
+      fixedWindow: {limit: %d, window: 1h}
+`, limit))
+	}
+	e := start(t, doc(3), up, nil)
+	get(t, e.proxy+"/")
+	get(t, e.proxy+"/")
+	up.delay.Store(int64(700 * time.Millisecond))
+	inflight := make(chan int)
+	go func() { inflight <- get(t, e.proxy+"/slow").StatusCode }() // the third: admitted, in flight
+	time.Sleep(100 * time.Millisecond)
+	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusTooManyRequests {
+		t.Fatalf("fourth request: %d, want 429", s)
+	}
+	if err := os.WriteFile(e.file, []byte(doc(5)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// Counters survive: 3 were counted, so the new limit of 5 admits exactly two more.
+	deadline := time.Now().Add(2 * time.Second)
+	for get(t, e.proxy+"/").StatusCode != http.StatusOK {
+		if time.Now().After(deadline) {
+			t.Fatal("the new limit was not enforced within 2s")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusOK {
+		t.Errorf("fifth request after reload: %d, want 200", s)
+	}
+	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusTooManyRequests {
+		t.Errorf("sixth request after reload: %d, want 429 (counters must not reset)", s)
+	}
+	if s := <-inflight; s != http.StatusOK {
+		t.Errorf("in-flight request during reload: %d, want 200", s)
+	}
+	if err := os.WriteFile(e.file, []byte(strings.Replace(doc(50), "window: 1h", "window: 0s", 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusTooManyRequests {
+		t.Errorf("after an invalid file: %d, want 429 from the last good policy", s)
+	}
+	if n := metric(t, e.admin, `sluice_config_reloads_total{result="refused"}`); n != 1 {
+		t.Errorf("refused reloads = %v, want 1", n)
+	}
+}
+
+func TestEnforcerWhenStoppedThenInFlightRequestsDrain(t *testing.T) {
+	up := newUpstream(t)
+	up.delay.Store(int64(500 * time.Millisecond))
+	e := start(t, policyDoc("drain", `    - name: any
+      fixedWindow: {limit: 100, window: 1h}
+`), up, nil)
+	done := make(chan int)
+	go func() { done <- get(t, e.proxy+"/slow").StatusCode }()
+	time.Sleep(100 * time.Millisecond)
+	e.stop()
+	if s := <-done; s != http.StatusOK {
+		t.Errorf("in-flight request at shutdown: %d, want 200", s)
+	}
+	if _, err := net.DialTimeout("tcp", e.ProxyAddr, time.Second); err == nil {
+		t.Error("the proxy still accepts connections after shutdown")
+	}
+}
+
+// Under a flood far over the limit, the refusal cache answers locally: Redis runs at most 0.1
+// scripts per request.
+func TestProxyWhenFloodedThenRefusalCacheSparesRedis(t *testing.T) {
+	opts := standalone(t)
+	admin := redis.NewClient(&redis.Options{Addr: opts.Addrs[0]})
+	defer func() { _ = admin.Close() }()
+	e := start(t, policyDoc("flood", `    - name: per-key
+      tokenBucket: {capacity: 10, refill: {tokens: 10, period: 1h}}
+      key: [{type: Header, name: X-Api-Key}]
+`), newUpstream(t), opts)
+	before := scripts(t, admin)
+	passed := 0
+	for range 100 { // 10x the limit
+		if get(t, e.proxy+"/", "X-Api-Key", "flood").StatusCode == http.StatusOK {
+			passed++
+		}
+	}
+	ran := scripts(t, admin) - before
+	if passed != 10 || float64(ran)/100 > 0.11 {
+		t.Errorf("%d passed, Redis ran %d scripts for 100 requests; want 10 and at most 11", passed, ran)
+	}
+}
+
+func scripts(t *testing.T, c *redis.Client) int64 {
+	info := c.Info(context.Background(), "commandstats").Val()
+	var n int64
+	for _, m := range regexp.MustCompile(`cmdstat_(evalsha|eval):calls=(\d+)`).FindAllStringSubmatch(info, -1) {
+		v, _ := strconv.ParseInt(m[2], 10, 64)
+		n += v
+	}
+	return n
+}
+
+// 200,000 distinct client keys against the memory store: the key count stays at its bound and the
+// heap does not grow with the flood.
+func TestEnforcerWhenMemoryStoreSees200kClientsThenMemoryStaysBounded(t *testing.T) {
+	e := start(t, policyDoc("many", `    - name: per-key
+      tokenBucket: {capacity: 5, refill: {tokens: 1, period: 1h}}
+      key: [{type: Header, name: X-Api-Key}]
+`), nil, nil, func(c *enforcer.Config) { c.MemoryMaxKeys = 20_000; c.Listen = "" })
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	before := ms.HeapAlloc
+	var wg sync.WaitGroup
+	var next atomic.Int64
+	for range 16 {
+		wg.Go(func() {
+			for i := next.Add(1); i <= 200_000; i = next.Add(1) {
+				req, _ := http.NewRequest(http.MethodGet, e.check, nil)
+				req.Header.Set("X-Original-Method", "GET")
+				req.Header.Set("X-Original-URL", "/")
+				req.Header.Set("X-Api-Key", strconv.FormatInt(i, 10))
+				resp, err := client.Do(req)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				_ = resp.Body.Close()
+			}
+		})
+	}
+	wg.Wait()
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	growth := int64(ms.HeapAlloc) - int64(before)
+	t.Logf("heap growth after 200,000 keys: %d KiB", growth/1024)
+	if growth > 32<<20 {
+		t.Errorf("heap grew by %d MiB, want under 32 MiB for a 20,000-key bound", growth>>20)
+	}
+}
+
+// WebSocket upgrades and cleartext HTTP/2 pass through the proxy.
+func TestProxyWhenClientUpgradesOrSpeaksHTTP2ThenItWorks(t *testing.T) {
+	echo := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Upgrade") != "websocket" {
+			_, _ = w.Write([]byte(r.Proto))
+			return
+		}
+		conn, rw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer func() { _ = conn.Close() }()
+		_, _ = rw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+		_ = rw.Flush()
+		line, _ := rw.ReadString('\n')
+		_, _ = rw.WriteString("echo " + line)
+		_ = rw.Flush()
+	}))
+	defer echo.Close()
+	u := &upstream{Server: echo}
+	e := start(t, policyDoc("upgrade", `    - name: any
+      fixedWindow: {limit: 100, window: 1h}
+`), u, nil)
+
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	_, _ = conn.Write([]byte("GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"))
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close() // a 101 has no body; the connection now carries the protocol
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade: %s", resp.Status)
+	}
+	_, _ = conn.Write([]byte("hello\n"))
+	if line, _ := br.ReadString('\n'); line != "echo hello\n" {
+		t.Errorf("through the upgraded connection: %q", line)
+	}
+
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	h2 := &http.Client{Transport: &http.Transport{Protocols: &protocols}}
+	r2, err := h2.Get(e.proxy + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = r2.Body.Close() }()
+	if r2.ProtoMajor != 2 || r2.StatusCode != http.StatusOK || r2.Header.Get("RateLimit") == "" {
+		t.Errorf("h2c: proto %s status %d RateLimit %q", r2.Proto, r2.StatusCode, r2.Header.Get("RateLimit"))
+	}
+}

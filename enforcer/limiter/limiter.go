@@ -1,0 +1,246 @@
+// Package limiter decides HTTP requests against compiled policies: it matches rules, identifies
+// the client, asks the store, and applies each rule's failure mode when the store cannot answer.
+package limiter
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/netip"
+	"sync/atomic"
+	"time"
+
+	"github.com/sony/gobreaker/v2"
+
+	"github.com/sluice-dev/sluice/enforcer/algorithm"
+	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/enforcer/store"
+)
+
+// Outcome is what happens to a request.
+type Outcome int
+
+// Outcomes.
+const (
+	// Allowed: forward the request, after Wait.
+	Allowed Outcome = iota
+	// Limited: refuse with 429.
+	Limited
+	// Unavailable: the store cannot answer and a fail-closed rule matched; refuse with 503.
+	Unavailable
+)
+
+// Request is what a decision needs from an HTTP request.
+type Request struct {
+	Method string
+	Path   string
+	Header http.Header
+	// Peer is the TCP peer's address.
+	Peer netip.Addr
+}
+
+// Result is the decision on one request.
+type Result struct {
+	Outcome Outcome
+	// Wait is how long to hold an allowed request (leaky-bucket rules).
+	Wait time.Duration
+	// RetryAfter is, for a refusal, when the same request may pass.
+	RetryAfter time.Duration
+	// Rule is the rule the response's RateLimit headers describe: the refusing rule, or the
+	// enforced rule closest to its limit. Nil when no enforced rule has a decision to show.
+	Rule *policy.Rule
+	// Policy is the ID of Rule's policy.
+	Policy string
+	// Decision is Rule's decision.
+	Decision algorithm.Decision
+}
+
+// ErrStoreUnavailable is the cause of Unavailable results.
+var ErrStoreUnavailable = errors.New("rate-limit store unavailable")
+
+// Limiter decides requests. It is safe for concurrent use; SetPolicies swaps the rules without
+// disturbing requests in flight.
+type Limiter struct {
+	policies atomic.Pointer[[]*policy.Policy]
+	store    store.Store
+	breaker  *gobreaker.CircuitBreaker[bool]
+	refusals *refusalCache
+	metrics  *Metrics
+	now      func() time.Time
+}
+
+// Options configure a Limiter.
+type Options struct {
+	Store   store.Store
+	Metrics *Metrics
+	// Breaker guards a remote store: after BreakerFailures consecutive failures, decisions stop
+	// waiting for the store for BreakerOpen, and rules apply their failure modes at once. Then one
+	// probe decides whether the store is back. Zero BreakerFailures disables it (memory store).
+	BreakerFailures uint32
+	BreakerOpen     time.Duration
+	// RefusalCache, for a remote store, answers a key locally until the moment the store said
+	// it is refused until.
+	RefusalCache bool
+	Now          func() time.Time
+}
+
+// New returns a limiter with no policies.
+func New(opts Options) *Limiter {
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Metrics == nil {
+		opts.Metrics = NewMetrics(nil)
+	}
+	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now}
+	if opts.BreakerFailures > 0 {
+		l.breaker = gobreaker.NewCircuitBreaker[bool](gobreaker.Settings{
+			Name:        "store",
+			MaxRequests: 1,
+			Timeout:     opts.BreakerOpen,
+			ReadyToTrip: func(c gobreaker.Counts) bool { return c.ConsecutiveFailures >= opts.BreakerFailures },
+			OnStateChange: func(_ string, _, to gobreaker.State) {
+				opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[to != gobreaker.StateClosed])
+			},
+		})
+	}
+	if opts.RefusalCache {
+		l.refusals = newRefusalCache(100_000)
+	}
+	empty := []*policy.Policy{}
+	l.policies.Store(&empty)
+	return l
+}
+
+// SetPolicies replaces the policies. Counters live in the store under the policies' and rules'
+// names, so unchanged rules keep their state.
+func (l *Limiter) SetPolicies(ps []*policy.Policy) { l.policies.Store(&ps) }
+
+// Policies are the current policies.
+func (l *Limiter) Policies() []*policy.Policy { return *l.policies.Load() }
+
+type matched struct {
+	rule   *policy.Rule
+	policy string
+}
+
+// Decide decides one request.
+func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
+	var (
+		checkBuf [8]store.Check
+		ruleBuf  [8]matched
+	)
+	checks, rules := checkBuf[:0], ruleBuf[:0]
+	for _, p := range *l.policies.Load() {
+		var addr netip.Addr
+		for i := range p.Rules {
+			r := &p.Rules[i]
+			if !r.Match.Matches(req.Method, req.Path, req.Header) {
+				continue
+			}
+			if !addr.IsValid() {
+				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
+			}
+			key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr)
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: store.Tag(p.ID, key), Rule: r.Name})
+			rules = append(rules, matched{r, p.ID})
+		}
+	}
+	if len(checks) == 0 {
+		return Result{Outcome: Allowed}
+	}
+
+	if res, ok := l.cachedRefusal(checks, rules); ok {
+		return res
+	}
+
+	out := make([]algorithm.Decision, len(checks))
+	start := time.Now()
+	charged, err := l.decide(ctx, checks, out)
+	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
+	if err != nil {
+		return l.failureModes(rules, err)
+	}
+	return l.result(checks, rules, out, charged)
+}
+
+func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algorithm.Decision) (bool, error) {
+	if l.breaker == nil {
+		return l.store.Decide(ctx, checks, out)
+	}
+	return l.breaker.Execute(func() (bool, error) { return l.store.Decide(ctx, checks, out) })
+}
+
+// failureModes decides when the store cannot: fail-open rules let the request through, and any
+// enforced fail-closed rule refuses it with 503.
+func (l *Limiter) failureModes(rules []matched, err error) Result {
+	if !errors.Is(err, gobreaker.ErrOpenState) && !errors.Is(err, gobreaker.ErrTooManyRequests) {
+		l.metrics.storeErrors.Inc()
+	}
+	res := Result{Outcome: Allowed}
+	for _, m := range rules {
+		switch {
+		case !m.rule.Enforce || m.rule.FailOpen:
+			l.metrics.decision(m.policy, m.rule.Name, resultFailedOpen)
+		default:
+			l.metrics.decision(m.policy, m.rule.Name, resultFailedClosed)
+			res = Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: m.rule, Policy: m.policy}
+		}
+	}
+	return res
+}
+
+func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.Decision, charged bool) Result {
+	res := Result{Outcome: Allowed}
+	closest := 2.0
+	for i, m := range rules {
+		d := out[i]
+		switch {
+		case !m.rule.Enforce:
+			if d.Allowed {
+				l.metrics.decision(m.policy, m.rule.Name, resultAllowed)
+			} else {
+				l.metrics.decision(m.policy, m.rule.Name, resultShadowLimited)
+			}
+			continue
+		case !d.Allowed:
+			l.metrics.decision(m.policy, m.rule.Name, resultLimited)
+			if res.Outcome != Limited || d.RetryAfter > res.RetryAfter {
+				res = Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.policy, Decision: d}
+			}
+			l.refusals.put(&checks[i], d, l.now())
+		case charged:
+			l.metrics.decision(m.policy, m.rule.Name, resultAllowed)
+		}
+		if charged {
+			res.Wait = max(res.Wait, d.Wait)
+			if share := float64(d.Remaining) / float64(d.Limit); share < closest {
+				closest = share
+				res.Rule, res.Policy, res.Decision = m.rule, m.policy, d
+			}
+		}
+	}
+	return res
+}
+
+// cachedRefusal answers from the refusal cache when an enforced rule of the request is known to
+// refuse it: the store said so, for the same or a lower cost, and the moment it named has not
+// come. Nothing else can make that rule admit the request sooner.
+func (l *Limiter) cachedRefusal(checks []store.Check, rules []matched) (Result, bool) {
+	if l.refusals == nil {
+		return Result{}, false
+	}
+	now := l.now()
+	for i := range checks {
+		if !checks[i].Enforce {
+			continue
+		}
+		if d, ok := l.refusals.get(&checks[i], now); ok {
+			m := rules[i]
+			l.metrics.decision(m.policy, m.rule.Name, resultLimited)
+			l.metrics.cacheHits.Inc()
+			return Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.policy, Decision: d}, true
+		}
+	}
+	return Result{}, false
+}

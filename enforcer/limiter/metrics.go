@@ -1,0 +1,59 @@
+package limiter
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Decision results, the values of the result label.
+const (
+	resultAllowed       = "allowed"
+	resultLimited       = "limited"
+	resultShadowLimited = "shadow_limited"
+	resultFailedOpen    = "failed_open"
+	resultFailedClosed  = "failed_closed"
+)
+
+// Metrics are the limiter's Prometheus metrics. Labels name policies, rules and results, never
+// client keys or addresses.
+type Metrics struct {
+	decisions    *prometheus.CounterVec
+	storeLatency prometheus.Histogram
+	storeErrors  prometheus.Counter
+	cacheHits    prometheus.Counter
+	breakerOpen  prometheus.Gauge
+}
+
+// NewMetrics creates the metrics and registers them with reg, if reg is not nil.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sluice_decisions_total",
+			Help: "Rule decisions by policy, rule and result (allowed, limited, shadow_limited, failed_open, failed_closed).",
+		}, []string{"policy", "rule", "result"}),
+		storeLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "sluice_store_latency_seconds",
+			Help:    "Latency of one store decision, all rules of a request together.",
+			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25},
+		}),
+		storeErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "sluice_store_errors_total",
+			Help: "Store decisions that failed (timeouts, refused connections), after which rules applied their failure modes.",
+		}),
+		cacheHits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "sluice_refusal_cache_hits_total",
+			Help: "Requests refused from the local refusal cache without asking the store.",
+		}),
+		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "sluice_store_breaker_open",
+			Help: "1 while the store circuit breaker is open or probing, 0 while closed.",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.breakerOpen)
+	}
+	return m
+}
+
+func (m *Metrics) decision(policy, rule, result string) {
+	m.decisions.WithLabelValues(policy, rule, result).Inc()
+}
