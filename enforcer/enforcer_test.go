@@ -315,6 +315,14 @@ func TestProxyWhenRedisFailsThenEachRuleAppliesItsFailureMode(t *testing.T) {
 					t.Fatal("503 without Retry-After")
 				}
 			}
+			// Nothing piles up while Redis is down.
+			goroutines := runtime.NumGoroutine()
+			for range 300 {
+				get(t, e.proxy+"/catalogue")
+			}
+			if grown := runtime.NumGoroutine() - goroutines; grown > 20 {
+				t.Errorf("%d more goroutines after 300 requests with Redis %s", grown, how)
+			}
 			slices.Sort(latencies)
 			if p99 := latencies[98]; p99 > deadline+10*time.Millisecond {
 				t.Errorf("p99 latency %v with Redis %s, want under %v", p99, how, deadline+10*time.Millisecond)
@@ -641,5 +649,70 @@ func TestProxyWhenClientUpgradesOrSpeaksHTTP2ThenItWorks(t *testing.T) {
 	defer func() { _ = r2.Body.Close() }()
 	if r2.ProtoMajor != 2 || r2.StatusCode != http.StatusOK || r2.Header.Get("RateLimit") == "" {
 		t.Errorf("h2c: proto %s status %d RateLimit %q", r2.Proto, r2.StatusCode, r2.Header.Get("RateLimit"))
+	}
+}
+
+// Bodies stream both ways: the client reads the first chunk while the upstream is still writing,
+// and the upstream learns who the client is from X-Forwarded-For.
+func TestProxyWhenUpstreamStreamsThenChunksArriveAsWrittenWithForwardedHeaders(t *testing.T) {
+	release := make(chan struct{})
+	stream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Seen-Forwarded-For", r.Header.Get("X-Forwarded-For"))
+		w.Header().Set("X-Seen-Forwarded-Proto", r.Header.Get("X-Forwarded-Proto"))
+		_, _ = w.Write([]byte("first\n"))
+		_ = http.NewResponseController(w).Flush()
+		<-release
+		_, _ = w.Write([]byte("second\n"))
+	}))
+	defer stream.Close()
+	defer close(release)
+	e := start(t, policyDoc("stream", `    - name: any
+      fixedWindow: {limit: 100, window: 1h}
+`), &upstream{Server: stream}, nil)
+	req, _ := http.NewRequest(http.MethodGet, e.proxy+"/", nil)
+	req.Header.Set("X-Forwarded-For", "198.51.100.9")
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	if err != nil || line != "first\n" {
+		t.Fatalf("first chunk %q, %v: it must arrive before the upstream finishes", line, err)
+	}
+	if got := resp.Header.Get("X-Seen-Forwarded-For"); got != "198.51.100.9, 127.0.0.1" {
+		t.Errorf("upstream saw X-Forwarded-For %q, want the chain plus the peer", got)
+	}
+	if got := resp.Header.Get("X-Seen-Forwarded-Proto"); got != "http" {
+		t.Errorf("upstream saw X-Forwarded-Proto %q", got)
+	}
+}
+
+// A client that leaves while its request waits in a leaky bucket is released at once, and the
+// request is never forwarded.
+func TestProxyWhenClientLeavesWhileQueuedThenReleasedAndNotForwarded(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("leave", `    - name: queue
+      leakyBucket: {capacity: 5, drain: {requests: 1, period: 2s}}
+`), up, nil)
+	get(t, e.proxy+"/") // departs at once; the next waits 2s
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.proxy+"/", nil)
+	goroutines := runtime.NumGoroutine()
+	if resp, err := client.Do(req); err == nil {
+		_ = resp.Body.Close()
+		t.Fatalf("queued request answered %d before its wait", resp.StatusCode)
+	}
+	deadline := time.Now().Add(time.Second)
+	for runtime.NumGoroutine() > goroutines && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > goroutines {
+		t.Errorf("%d goroutines still held 1s after the client left (had %d)", n, goroutines)
+	}
+	time.Sleep(2 * time.Second)
+	if up.hits.Load() != 1 {
+		t.Errorf("upstream saw %d requests, want 1: the abandoned one must not be forwarded", up.hits.Load())
 	}
 }

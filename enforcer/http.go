@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/dunglas/httpsfv"
@@ -119,14 +120,31 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
 			pr.SetXForwarded()
 		},
-		Transport:     transport,
-		FlushInterval: -1, // stream: write through every chunk as it comes
+		Transport: transport,
+		// FlushInterval 0: ReverseProxy still flushes streamed responses (unknown length,
+		// text/event-stream) as every chunk arrives, and sends a small response in one write
+		// instead of one per header and body.
+		FlushInterval: 0,
+		// Without a pool, every response allocates a fresh 32 KiB copy buffer.
+		BufferPool: &bufferPool{},
 		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, _ error) {
 			w.WriteHeader(http.StatusBadGateway)
 		},
 	}
 	return &proxy{limiter: l, rp: rp}
 }
+
+// bufferPool recycles ReverseProxy's copy buffers.
+type bufferPool struct{ p sync.Pool }
+
+func (b *bufferPool) Get() []byte {
+	if buf, ok := b.p.Get().(*[]byte); ok {
+		return *buf
+	}
+	return make([]byte, 32<<10)
+}
+
+func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
 
 func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	res := p.limiter.Decide(r.Context(), &limiter.Request{Method: r.Method, Path: r.URL.Path, Header: r.Header, Peer: peerAddr(r)})

@@ -154,7 +154,12 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		return res
 	}
 
-	out := make([]algorithm.Decision, len(checks))
+	var outBuf [8]algorithm.Decision
+	out := outBuf[:0]
+	if len(checks) > len(outBuf) {
+		out = make([]algorithm.Decision, 0, len(checks))
+	}
+	out = out[:len(checks)]
 	start := time.Now()
 	charged, err := l.decide(ctx, checks, out)
 	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
