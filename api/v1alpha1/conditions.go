@@ -12,6 +12,13 @@ const (
 	// ConditionDegraded tells whether something outside the policy weakens enforcement, such as
 	// an unreachable Redis or a missing target Service. Ready can be True while Degraded is True.
 	ConditionDegraded = "Degraded"
+
+	// ConditionReconciling is True while the enforcer does not yet run the current spec. With
+	// Stalled it follows the kstatus convention that Argo CD and Flux read health from.
+	ConditionReconciling = "Reconciling"
+	// ConditionStalled is True when the controller cannot make progress until the spec changes,
+	// such as an invalid or conflicting policy.
+	ConditionStalled = "Stalled"
 )
 
 // Reasons of the Accepted condition.

@@ -4,7 +4,7 @@
 //
 //	enforcer --policy FILE.yaml --upstream http://HOST:PORT [--listen :8080] [--check-listen :8081]
 //	         [--admin-listen :9090] [--redis-url redis://HOST:PORT/DB | --redis-cluster H:P,H:P,...
-//	         | --redis-sentinel H:P,... --redis-master NAME]
+//	         | --redis-sentinel H:P,... --redis-master NAME] [--redis-tls --redis-ca-file FILE]
 //
 // Without a Redis flag the enforcer keeps counters in memory, exact for one replica. Redis
 // credentials come from REDIS_USERNAME and REDIS_PASSWORD, never from flags.
@@ -12,6 +12,8 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -51,7 +53,8 @@ func parse(args []string) (enforcer.Config, error) {
 	var (
 		cfg                                   enforcer.Config
 		upstream, redisURL, cluster, sentinel string
-		master                                string
+		master, caFile, serverName            string
+		useTLS                                bool
 		timeout                               time.Duration
 	)
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
@@ -63,6 +66,9 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.StringVar(&cluster, "redis-cluster", "", "Redis Cluster seed nodes, HOST:PORT,HOST:PORT,...")
 	fs.StringVar(&sentinel, "redis-sentinel", "", "Redis Sentinel addresses, HOST:PORT,...; needs --redis-master.")
 	fs.StringVar(&master, "redis-master", "", "The master set name the sentinels watch.")
+	fs.BoolVar(&useTLS, "redis-tls", false, "Connect to Redis with TLS (any mode).")
+	fs.StringVar(&caFile, "redis-ca-file", "", "PEM CA bundle that signs the Redis certificates; default the system roots. Implies --redis-tls.")
+	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
 	fs.DurationVar(&timeout, "redis-timeout", 50*time.Millisecond, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain at shutdown.")
@@ -109,6 +115,28 @@ func parse(args []string) (enforcer.Config, error) {
 	default:
 		return cfg, nil // memory store
 	}
+	if useTLS || caFile != "" || serverName != "" {
+		tlsConfig, err := redisTLS(caFile, serverName)
+		if err != nil {
+			return cfg, err
+		}
+		opts.TLS = tlsConfig
+	}
 	cfg.Redis = &opts
 	return cfg, nil
+}
+
+func redisTLS(caFile, serverName string) (*tls.Config, error) {
+	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName}
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, fmt.Errorf("--redis-ca-file: %w", err)
+		}
+		c.RootCAs = x509.NewCertPool()
+		if !c.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--redis-ca-file %s: no PEM certificate found", caFile)
+		}
+	}
+	return c, nil
 }

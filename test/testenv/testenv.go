@@ -48,6 +48,9 @@ func Start() (*Env, error) {
 		ErrorIfCRDPathMissing: true,
 		BinaryAssetsDirectory: assets,
 	}
+	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
+	// has an enforcer Service.
+	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
 	cfg, err := env.Start()
 	if err != nil {
 		return nil, fmt.Errorf("start the test control plane from %s: %w", assets, err)

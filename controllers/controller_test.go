@@ -1,0 +1,479 @@
+package controllers_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+	"sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/test/testenv"
+)
+
+var (
+	k8s        client.Client // a direct client: reads go to the API server
+	reconciler *controllers.RateLimitPolicyReconciler
+	mgrClient  client.Client
+)
+
+func TestMain(m *testing.M) {
+	ctrl.SetLogger(logr.Discard())
+	env, err := testenv.Start()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = v1alpha1.AddToScheme(scheme)
+	direct := rest.CopyConfig(env.Config)
+	direct.QPS, direct.Burst = -1, 0 // the test's own client is not throttled
+	k8s, _ = client.New(direct, client.Options{Scheme: scheme})
+	// The manager runs with the defaults of cmd/manager's --kube-api-qps and --kube-api-burst.
+	managerConfig := rest.CopyConfig(env.Config)
+	managerConfig.QPS, managerConfig.Burst = 50, 100
+	mgr, err := ctrl.NewManager(managerConfig, ctrl.Options{
+		Scheme:                 scheme,
+		Metrics:                metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress: "0",
+		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	mgrClient = mgr.GetClient()
+	reconciler = &controllers.RateLimitPolicyReconciler{
+		Client: mgrClient, Scheme: scheme, Recorder: mgr.GetEventRecorder("sluice"),
+		Defaults: render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
+		Workers:  4,
+	}
+	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	go func() {
+		if err := mgr.Start(ctx); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+		}
+	}()
+	code := m.Run()
+	cancel()
+	_ = env.Stop()
+	os.Exit(code)
+}
+
+func namespace(t *testing.T) string {
+	t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "ctrl-"}}
+	if err := k8s.Create(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+	return ns.Name
+}
+
+func targetService(t *testing.T, ns, name string) {
+	t.Helper()
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
+	if err := k8s.Create(context.Background(), svc); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func newPolicy(ns, name, target string) *v1alpha1.RateLimitPolicy {
+	return &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: target, Port: 8080},
+			Rules: []v1alpha1.Rule{{Name: "burst", TokenBucket: &v1alpha1.TokenBucket{Capacity: 10, Refill: v1alpha1.TokenRefill{Tokens: 10, Period: "1s"}},
+				Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Api-Key")}}}},
+			Storage: &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{
+				Mode: v1alpha1.RedisStandalone, Addresses: []v1alpha1.HostPort{"redis.example:6379"},
+				CredentialsSecretRef: &v1alpha1.CredentialsSecretRef{Name: "redis-creds", PasswordKey: "password"},
+			}},
+			Enforcer: &v1alpha1.EnforcerSpec{Replicas: ptr.To[int32](3)},
+		},
+	}
+}
+
+// eventually polls cond until it holds or 10 seconds pass.
+func eventually(t *testing.T, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ok, detail := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10s: %s", what, detail)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func condition(t *testing.T, p *v1alpha1.RateLimitPolicy, typ string) *metav1.Condition {
+	t.Helper()
+	if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(p), p); err != nil {
+		t.Fatal(err)
+	}
+	return meta.FindStatusCondition(p.Status.Conditions, typ)
+}
+
+func waitCondition(t *testing.T, p *v1alpha1.RateLimitPolicy, typ string, want metav1.ConditionStatus, reason string) {
+	t.Helper()
+	eventually(t, fmt.Sprintf("%s=%s (%s)", typ, want, reason), func() (bool, string) {
+		c := condition(t, p, typ)
+		return c != nil && c.Status == want && (reason == "" || c.Reason == reason) && p.Status.ObservedGeneration == p.Generation,
+			fmt.Sprintf("%+v, observedGeneration %d of %d", c, p.Status.ObservedGeneration, p.Generation)
+	})
+}
+
+func kstatus(t *testing.T, p *v1alpha1.RateLimitPolicy) status.Status {
+	t.Helper()
+	if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(p), p); err != nil {
+		t.Fatal(err)
+	}
+	u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := status.Compute(&unstructured.Unstructured{Object: u})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res.Status
+}
+
+// playDeploymentController sets the status the Deployment controller would once every replica of
+// the current spec is available (envtest runs no kube-controller-manager).
+func playDeploymentController(t *testing.T, d *appsv1.Deployment) {
+	t.Helper()
+	if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(d), d); err != nil {
+		t.Fatal(err)
+	}
+	n := *d.Spec.Replicas
+	d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: n, UpdatedReplicas: n, ReadyReplicas: n, AvailableReplicas: n}
+	if err := k8s.Status().Update(context.Background(), d); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFollowsRollout(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "api-limits", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, v1alpha1.ReasonProgrammed)
+	if c := condition(t, p, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonRollingOut {
+		t.Errorf("Ready before the rollout = %+v, want False/RollingOut", c)
+	}
+	if s := kstatus(t, p); s != status.InProgressStatus {
+		t.Errorf("kstatus before the enforcer is ready = %s, want InProgress", s)
+	}
+
+	name := client.ObjectKey{Namespace: ns, Name: "sluice-api-limits"}
+	cm, dep, svc, pdb := &corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}
+	for _, o := range []client.Object{cm, dep, svc, pdb} {
+		if err := k8s.Get(ctx, name, o); err != nil {
+			t.Fatalf("%T: %v", o, err)
+		}
+		refs := o.GetOwnerReferences()
+		if len(refs) != 1 || refs[0].UID != p.UID || !ptr.Deref(refs[0].Controller, false) || !ptr.Deref(refs[0].BlockOwnerDeletion, false) {
+			t.Errorf("%T owner references = %+v, want one controller reference to the policy", o, refs)
+		}
+	}
+	if _, err := enforcer.Load([]byte(cm.Data["policy.yaml"])); err != nil {
+		t.Errorf("the enforcer cannot load the ConfigMap: %v", err)
+	}
+	if p.Status.Enforcer == nil || p.Status.Enforcer.ConfigRevision != cm.Annotations[render.RevisionAnnotation] || p.Status.Enforcer.ServiceName != name.Name || p.Status.Enforcer.Replicas != 3 {
+		t.Errorf("status.enforcer = %+v", p.Status.Enforcer)
+	}
+	env := dep.Spec.Template.Spec.Containers[0].Env
+	if len(env) != 1 || env[0].Name != "REDIS_PASSWORD" || env[0].ValueFrom.SecretKeyRef.Name != "redis-creds" {
+		t.Errorf("credentials env = %+v, want REDIS_PASSWORD from Secret redis-creds", env)
+	}
+	for _, v := range cm.Data {
+		if len(v) == 0 {
+			t.Error("empty config")
+		}
+	}
+
+	playDeploymentController(t, dep)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	if s := kstatus(t, p); s != status.CurrentStatus {
+		t.Errorf("kstatus once the enforcer is ready = %s, want Current", s)
+	}
+	if p.Status.Enforcer.ReadyReplicas != 3 {
+		t.Errorf("readyReplicas = %d, want 3", p.Status.Enforcer.ReadyReplicas)
+	}
+}
+
+// A second reconcile of an unchanged policy writes nothing: no request that changes anything is
+// sent, and no object's resourceVersion moves on the API server.
+func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "steady", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-steady"}}
+	playDeploymentController(t, dep)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+
+	versions := func() map[string]string {
+		out := map[string]string{}
+		for _, o := range []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}, &v1alpha1.RateLimitPolicy{}} {
+			key := client.ObjectKey{Namespace: ns, Name: "sluice-steady"}
+			if _, ok := o.(*v1alpha1.RateLimitPolicy); ok {
+				key.Name = "steady"
+			}
+			if err := k8s.Get(ctx, key, o); err != nil {
+				t.Fatal(err)
+			}
+			out[fmt.Sprintf("%T", o)] = o.GetResourceVersion()
+		}
+		return out
+	}
+	before := versions()
+	var writes atomic.Int64
+	count := func() { writes.Add(1) }
+	counting := interceptor.NewClient(noWatch{mgrClient}, interceptor.Funcs{
+		Create: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.CreateOption) error {
+			count()
+			return c.Create(ctx, o, opts...)
+		},
+		Update: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.UpdateOption) error {
+			count()
+			return c.Update(ctx, o, opts...)
+		},
+		Patch: func(ctx context.Context, c client.WithWatch, o client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			count()
+			return c.Patch(ctx, o, patch, opts...)
+		},
+		Apply: func(ctx context.Context, c client.WithWatch, o runtime.ApplyConfiguration, opts ...client.ApplyOption) error {
+			count()
+			return c.Apply(ctx, o, opts...)
+		},
+		Delete: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.DeleteOption) error {
+			count()
+			return c.Delete(ctx, o, opts...)
+		},
+		SubResourcePatch: func(ctx context.Context, c client.Client, sub string, o client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
+			count()
+			return c.SubResource(sub).Patch(ctx, o, patch, opts...)
+		},
+		SubResourceUpdate: func(ctx context.Context, c client.Client, sub string, o client.Object, opts ...client.SubResourceUpdateOption) error {
+			count()
+			return c.SubResource(sub).Update(ctx, o, opts...)
+		},
+	})
+	r := *reconciler
+	r.Client = counting
+	for range 3 {
+		if _, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := writes.Load(); n != 0 {
+		t.Errorf("%d writes in 3 reconciles of an unchanged policy, want 0", n)
+	}
+	if after := versions(); fmt.Sprint(after) != fmt.Sprint(before) {
+		t.Errorf("resourceVersions moved: %v -> %v", before, after)
+	}
+}
+
+func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "change", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-change"}}
+	playDeploymentController(t, dep)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	oldRevision := p.Status.Enforcer.ConfigRevision
+	oldTemplate := dep.Spec.Template.DeepCopy()
+
+	p.Spec.Rules[0].TokenBucket.Capacity = 20
+	if err := k8s.Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "a new config revision", func() (bool, string) {
+		cm := &corev1.ConfigMap{}
+		_ = k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-change"}, cm)
+		_ = k8s.Get(ctx, client.ObjectKeyFromObject(p), p)
+		rev := cm.Annotations[render.RevisionAnnotation]
+		return rev != oldRevision && p.Status.Enforcer.ConfigRevision == rev && p.Status.ObservedGeneration == p.Generation,
+			fmt.Sprintf("ConfigMap %s, status %s", rev, p.Status.Enforcer.ConfigRevision)
+	})
+	// The running pods reload the mounted config: the pod template does not change, so nothing
+	// restarts. The Deployment's revision annotation still moves its generation (annotations are
+	// copied to ReplicaSets), and Ready waits until the Deployment controller has observed it.
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(dep), dep); err != nil {
+		t.Fatal(err)
+	}
+	if !equality.Semantic.DeepEqual(oldTemplate, &dep.Spec.Template) {
+		t.Errorf("a rule change changed the pod template: every enforcer would restart")
+	}
+	if dep.Annotations[render.RevisionAnnotation] != p.Status.Enforcer.ConfigRevision {
+		t.Errorf("Deployment revision annotation %q, want %q", dep.Annotations[render.RevisionAnnotation], p.Status.Enforcer.ConfigRevision)
+	}
+	playDeploymentController(t, dep)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+
+	p.Spec.Enforcer.Replicas = ptr.To[int32](5)
+	if err := k8s.Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonRollingOut)
+	playDeploymentController(t, dep)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+}
+
+// A policy that passed the schema but cannot work (here a sliding log too large to keep) is not
+// accepted, with the reason, and nothing is deployed for it.
+func TestReconcileWhenSpecIsInvalidThenNotAcceptedAndStalled(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	p := newPolicy(ns, "invalid", "api")
+	p.Spec.Rules[0] = v1alpha1.Rule{Name: "huge", SlidingLog: &v1alpha1.Window{Limit: 50_000, Window: "1h"}}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonInvalid)
+	if c := condition(t, p, v1alpha1.ConditionAccepted); c == nil || !strings.Contains(c.Message, "spec.rules[0].slidingLog.limit") {
+		t.Errorf("Accepted message %q does not name the field", c.Message)
+	}
+	if s := kstatus(t, p); s != status.FailedStatus {
+		t.Errorf("kstatus of an invalid policy = %s, want Failed", s)
+	}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-invalid"}, &appsv1.Deployment{}); err == nil {
+		t.Error("a Deployment exists for an invalid policy")
+	}
+}
+
+func TestReconcileWhenTwoPoliciesTargetOneServiceThenTheLaterIsConflicted(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	targetService(t, ns, "api")
+	first := newPolicy(ns, "first", "api")
+	if err := k8s.Create(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, first, v1alpha1.ConditionAccepted, metav1.ConditionTrue, "")
+	time.Sleep(1100 * time.Millisecond) // creation timestamps have whole seconds
+	second := newPolicy(ns, "second", "api")
+	if err := k8s.Create(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, second, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonConflicted)
+	if c := condition(t, first, v1alpha1.ConditionAccepted); c.Status != metav1.ConditionTrue {
+		t.Errorf("the first policy lost its target: %+v", c)
+	}
+	if err := k8s.Delete(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, second, v1alpha1.ConditionAccepted, metav1.ConditionTrue, v1alpha1.ReasonAccepted)
+}
+
+func TestReconcileWhenTargetServiceIsMissingThenDegradedUntilItAppears(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	p := newPolicy(ns, "orphan", "not-yet")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionTrue, v1alpha1.ReasonTargetNotFound)
+	targetService(t, ns, "not-yet")
+	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
+}
+
+// Deletion is garbage collection: envtest runs no garbage collector, so the test checks what it
+// would follow, the owned objects' controller references to the deleted policy's UID.
+func TestReconcileWhenPolicyIsDeletedThenOwnedObjectsPointToItForGarbageCollection(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "doomed", "api")
+	p.Spec.Enforcer = nil
+	p.Spec.Storage = &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	if len(p.Finalizers) != 0 {
+		t.Errorf("finalizers %v: deletion must not wait for the controller", p.Finalizers)
+	}
+	uid := p.UID
+	if err := k8s.Delete(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
+		if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-doomed"}, o); err != nil {
+			t.Fatalf("%T: %v", o, err)
+		}
+		if refs := o.GetOwnerReferences(); len(refs) != 1 || refs[0].UID != uid {
+			t.Errorf("%T owner references %+v", o, refs)
+		}
+	}
+	redisDep := &appsv1.Deployment{}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-doomed-redis"}, redisDep); err != nil {
+		t.Fatal(err)
+	}
+	if refs := redisDep.GetOwnerReferences(); len(refs) != 1 || refs[0].UID != uid {
+		t.Errorf("managed Redis owner references %+v", refs)
+	}
+	args := fmt.Sprint(redisDep.Spec.Template.Spec.Containers[0].Args)
+	for _, want := range []string{"--save ", "--appendonly no", "--maxmemory-policy volatile-ttl"} {
+		if !strings.Contains(args, want) {
+			t.Errorf("managed Redis args %s lack %q", args, want)
+		}
+	}
+}
+
+// noWatch lets the interceptor wrap the manager's cached client, which the reconciler uses for
+// everything but watches.
+type noWatch struct{ client.Client }
+
+func (noWatch) Watch(context.Context, client.ObjectList, ...client.ListOption) (watch.Interface, error) {
+	return nil, errors.New("the reconciler does not watch through its client")
+}

@@ -1,0 +1,247 @@
+package controllers
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer/policy"
+)
+
+// FieldOwner is the server-side apply field manager of everything the controller writes.
+const FieldOwner = "sluice"
+
+// appliedHashAnnotation records the hash of what was last applied to an owned object, so that an
+// unchanged policy costs no write at all.
+const appliedHashAnnotation = "ratelimit.sluice.dev/applied-hash"
+
+// targetIndex indexes policies by the Service they target.
+const targetIndex = "spec.targetRef.name"
+
+// RateLimitPolicyReconciler reconciles each RateLimitPolicy into its enforcer.
+type RateLimitPolicyReconciler struct {
+	client.Client
+	Scheme   *runtime.Scheme
+	Recorder events.EventRecorder
+	Defaults render.Defaults
+	// Workers is the number of policies reconciled at once. Default 4.
+	Workers int
+}
+
+// +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
+// +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups="",resources=configmaps;services,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+
+// Reconcile applies the policy's enforcer objects and reports what it observed in status.
+func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, retErr error) {
+	p := &v1alpha1.RateLimitPolicy{}
+	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	before := p.DeepCopy()
+	var obs observation
+	defer func() { retErr = errors.Join(retErr, r.writeStatus(ctx, before, p, obs, retErr == nil)) }()
+
+	// The same validation as the webhook: a policy that bypassed admission is still judged.
+	if errs := policy.Validate(p); len(errs) > 0 {
+		obs.invalid = errs.ToAggregate().Error()
+		return ctrl.Result{}, nil // nothing to retry until the spec changes
+	}
+	other, err := r.olderPolicyOnTarget(ctx, p)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	if other != "" {
+		obs.conflictsWith = other
+		return ctrl.Result{}, nil
+	}
+
+	objs, err := render.Enforcer(p, r.Defaults)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	if err := r.apply(ctx, objs); err != nil {
+		obs.applyErr = err
+		return ctrl.Result{}, err
+	}
+	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
+
+	dep := &appsv1.Deployment{}
+	if err := r.Get(ctx, client.ObjectKeyFromObject(objs.Deployment), dep); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	obs.deployment = dep
+	target := &corev1.Service{}
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	obs.targetMissing = apierrors.IsNotFound(err)
+	return ctrl.Result{}, client.IgnoreNotFound(err)
+}
+
+// olderPolicyOnTarget returns the name of a policy that claimed the same Service first: created
+// earlier, or at the same time with a smaller name.
+func (r *RateLimitPolicyReconciler) olderPolicyOnTarget(ctx context.Context, p *v1alpha1.RateLimitPolicy) (string, error) {
+	var list v1alpha1.RateLimitPolicyList
+	if err := r.List(ctx, &list, client.InNamespace(p.Namespace), client.MatchingFields{targetIndex: p.Spec.TargetRef.Name}); err != nil {
+		return "", err
+	}
+	for _, o := range list.Items {
+		if o.UID == p.UID || !o.DeletionTimestamp.IsZero() {
+			continue
+		}
+		t, pt := o.CreationTimestamp, p.CreationTimestamp
+		if t.Before(&pt) || t.Equal(&pt) && o.Name < p.Name {
+			return o.Name, nil
+		}
+	}
+	return "", nil
+}
+
+// apply writes each object with server-side apply under one field owner, skipping objects whose
+// live copy already carries the hash of what would be applied. A PodDisruptionBudget that is no
+// longer wanted (one replica) is deleted.
+func (r *RateLimitPolicyReconciler) apply(ctx context.Context, objs *render.Objects) error {
+	logger := log.FromContext(ctx)
+	for _, obj := range objs.All() {
+		u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
+		if err != nil {
+			return err
+		}
+		desired := &unstructured.Unstructured{Object: u}
+		unstructured.RemoveNestedField(desired.Object, "status")
+		unstructured.RemoveNestedField(desired.Object, "metadata", "creationTimestamp")
+		unstructured.RemoveNestedField(desired.Object, "spec", "template", "metadata", "creationTimestamp")
+		hash, err := hashOf(desired.Object)
+		if err != nil {
+			return err
+		}
+		live := obj.DeepCopyObject().(client.Object)
+		err = r.Get(ctx, client.ObjectKeyFromObject(obj), live)
+		if err == nil && live.GetAnnotations()[appliedHashAnnotation] == hash {
+			continue
+		}
+		if err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+		annotations := desired.GetAnnotations()
+		if annotations == nil {
+			annotations = map[string]string{}
+		}
+		annotations[appliedHashAnnotation] = hash
+		desired.SetAnnotations(annotations)
+		if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
+			return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
+		}
+		logger.Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired))
+	}
+	if objs.PDB == nil {
+		pdb := &policyv1.PodDisruptionBudget{}
+		err := r.Get(ctx, client.ObjectKey{Namespace: objs.Deployment.Namespace, Name: objs.Deployment.Name}, pdb)
+		if err == nil {
+			if err := r.Delete(ctx, pdb); err != nil && !apierrors.IsNotFound(err) {
+				return err
+			}
+		} else if !apierrors.IsNotFound(err) {
+			return err
+		}
+	}
+	return nil
+}
+
+func hashOf(obj map[string]any) (string, error) {
+	data, err := json.Marshal(obj)
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256(data)
+	return hex.EncodeToString(sum[:12]), nil
+}
+
+// writeStatus writes the status once, and only when it changed, and records an event for each
+// condition that changed status.
+func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool) error {
+	p.Status = computeStatus(before, obs, reconciled)
+	if equality.Semantic.DeepEqual(before.Status, p.Status) {
+		return nil
+	}
+	if err := r.Status().Patch(ctx, p, client.MergeFrom(before)); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
+		old, now := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
+		if now == nil || old != nil && old.Status == now.Status {
+			continue
+		}
+		kind := corev1.EventTypeNormal
+		if (t == v1alpha1.ConditionDegraded) == (now.Status == "True") {
+			kind = corev1.EventTypeWarning
+		}
+		if r.Recorder != nil {
+			r.Recorder.Eventf(p, nil, kind, now.Reason, t, "%s is %s: %s", t, now.Status, now.Message)
+		}
+	}
+	return nil
+}
+
+// SetupWithManager registers the controller: it owns the enforcer objects and watches Services,
+// so that a target that appears or disappears is noticed.
+func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) error {
+	if err := mgr.GetFieldIndexer().IndexField(ctx, &v1alpha1.RateLimitPolicy{}, targetIndex, func(o client.Object) []string {
+		return []string{o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name}
+	}); err != nil {
+		return err
+	}
+	// policiesTargeting enqueues the policies of a namespace that target a Service name.
+	policiesTargeting := func(target func(client.Object) string) handler.EventHandler {
+		return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
+			var list v1alpha1.RateLimitPolicyList
+			if err := r.List(ctx, &list, client.InNamespace(o.GetNamespace()), client.MatchingFields{targetIndex: target(o)}); err != nil {
+				return nil
+			}
+			reqs := make([]reconcile.Request, len(list.Items))
+			for i := range list.Items {
+				reqs[i] = reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])}
+			}
+			return reqs
+		})
+	}
+	return ctrl.NewControllerManagedBy(mgr).
+		WithOptions(controller.Options{MaxConcurrentReconciles: max(1, r.Workers)}).
+		For(&v1alpha1.RateLimitPolicy{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
+		Owns(&corev1.ConfigMap{}).
+		Owns(&appsv1.Deployment{}).
+		Owns(&corev1.Service{}).
+		Owns(&policyv1.PodDisruptionBudget{}).
+		Watches(&corev1.Service{}, policiesTargeting(client.Object.GetName)).
+		// A policy that goes away frees its target for the next policy in line.
+		Watches(&v1alpha1.RateLimitPolicy{}, policiesTargeting(func(o client.Object) string {
+			return o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name
+		})).
+		Complete(r)
+}

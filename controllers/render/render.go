@@ -1,0 +1,397 @@
+// Package render turns a RateLimitPolicy into the objects that enforce it. It is pure: the same
+// policy and defaults give the same objects, which golden files in testdata pin.
+package render
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"strings"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/yaml"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+)
+
+// Ports of the enforcer container and Service.
+const (
+	ProxyPort = 8080
+	CheckPort = 8081
+	AdminPort = 9090
+	RedisPort = 6379
+)
+
+// PolicyFile is where the enforcer reads its policy: the ConfigMap's one key, mounted.
+const (
+	configKey  = "policy.yaml"
+	configDir  = "/etc/sluice"
+	PolicyFile = configDir + "/" + configKey
+	redisCADir = "/etc/sluice-redis-ca"
+)
+
+// Annotations and labels.
+const (
+	// RevisionAnnotation records the config revision the enforcer Deployment runs.
+	RevisionAnnotation = "ratelimit.sluice.dev/config-revision"
+	labelName          = "app.kubernetes.io/name"
+	labelInstance      = "app.kubernetes.io/instance"
+	labelComponent     = "app.kubernetes.io/component"
+	labelManagedBy     = "app.kubernetes.io/managed-by"
+)
+
+// Defaults are the manager's settings that policies may override.
+type Defaults struct {
+	EnforcerImage string
+	RedisImage    string
+}
+
+// Objects are the desired objects of one policy, in apply order.
+type Objects struct {
+	ConfigMap  *corev1.ConfigMap
+	Deployment *appsv1.Deployment
+	Service    *corev1.Service
+	// PDB is nil with one replica.
+	PDB *policyv1.PodDisruptionBudget
+	// Redis objects are nil without managedRedis.
+	RedisDeployment *appsv1.Deployment
+	RedisService    *corev1.Service
+	// Revision identifies the compiled config.
+	Revision string
+}
+
+// All are the objects that exist for the policy.
+func (o *Objects) All() []client.Object {
+	objs := []client.Object{o.ConfigMap}
+	if o.RedisService != nil {
+		objs = append(objs, o.RedisDeployment, o.RedisService)
+	}
+	objs = append(objs, o.Deployment, o.Service)
+	if o.PDB != nil {
+		objs = append(objs, o.PDB)
+	}
+	return objs
+}
+
+// Name is the name of the policy's enforcer objects: "sluice-<policy>", shortened with a hash
+// suffix when that would exceed a DNS label.
+func Name(p *v1alpha1.RateLimitPolicy) string {
+	name := "sluice-" + p.Name
+	if len(name) <= 63 {
+		return name
+	}
+	sum := sha256.Sum256([]byte(p.Name))
+	return strings.TrimRight(name[:54], "-.") + "-" + hex.EncodeToString(sum[:4])
+}
+
+// Replicas is the enforcer's replica count: the spec's, or 1 with memory storage and 2 otherwise.
+func Replicas(p *v1alpha1.RateLimitPolicy) int32 {
+	if p.Spec.Enforcer != nil && p.Spec.Enforcer.Replicas != nil {
+		return *p.Spec.Enforcer.Replicas
+	}
+	if s := p.Spec.Storage; s != nil && (s.Redis != nil || s.ManagedRedis != nil) {
+		return 2
+	}
+	return 1
+}
+
+// Enforcer renders the policy's objects.
+func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
+	name := Name(p)
+	config, err := policyFile(p)
+	if err != nil {
+		return nil, err
+	}
+	sum := sha256.Sum256(config)
+	o := &Objects{Revision: hex.EncodeToString(sum[:8])}
+	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: p.Name, labelManagedBy: "sluice"}
+
+	o.ConfigMap = &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
+		Data:       map[string]string{configKey: string(config)},
+	}
+
+	args := []string{
+		"--policy=" + PolicyFile,
+		fmt.Sprintf("--upstream=http://%s.%s.svc:%d", p.Spec.TargetRef.Name, p.Namespace, p.Spec.TargetRef.Port),
+		fmt.Sprintf("--listen=:%d", ProxyPort),
+		fmt.Sprintf("--check-listen=:%d", CheckPort),
+		fmt.Sprintf("--admin-listen=:%d", AdminPort),
+	}
+	var env []corev1.EnvVar
+	var volumes []corev1.Volume
+	mounts := []corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}
+	if s := p.Spec.Storage; s != nil && s.Redis != nil {
+		args = append(args, redisArgs(s.Redis)...)
+		if t := s.Redis.TLS; t != nil && t.CASecretRef != nil {
+			volumes = append(volumes, corev1.Volume{Name: "redis-ca", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+				SecretName: t.CASecretRef.Name, Items: []corev1.KeyToPath{{Key: t.CASecretRef.Key, Path: "ca.crt"}},
+			}}})
+			mounts = append(mounts, corev1.VolumeMount{Name: "redis-ca", MountPath: redisCADir, ReadOnly: true})
+			args = append(args, "--redis-ca-file="+redisCADir+"/ca.crt")
+		}
+		if ref := s.Redis.CredentialsSecretRef; ref != nil {
+			env = append(env, secretEnv("REDIS_PASSWORD", ref.Name, ref.PasswordKey, "password"))
+			if ref.UsernameKey != "" {
+				env = append(env, secretEnv("REDIS_USERNAME", ref.Name, ref.UsernameKey, ""))
+			}
+		}
+	}
+	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
+		redisName := name + "-redis"
+		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort))
+		o.RedisDeployment, o.RedisService = managedRedis(p, s.ManagedRedis, redisName, d)
+	}
+
+	image := d.EnforcerImage
+	if e := p.Spec.Enforcer; e != nil && e.Image != "" {
+		image = e.Image
+	}
+	resources := corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
+		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
+	}
+	if e := p.Spec.Enforcer; e != nil && e.Resources != nil {
+		resources = *e.Resources
+	}
+	replicas := Replicas(p)
+	podLabels := map[string]string{labelName: "sluice-enforcer", labelInstance: p.Name}
+	o.Deployment = &appsv1.Deployment{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
+		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
+		Spec: appsv1.DeploymentSpec{
+			Replicas: ptr.To(replicas),
+			Selector: &metav1.LabelSelector{MatchLabels: podLabels},
+			Strategy: appsv1.DeploymentStrategy{
+				Type: appsv1.RollingUpdateDeploymentStrategyType,
+				RollingUpdate: &appsv1.RollingUpdateDeployment{
+					MaxUnavailable: ptr.To(intstr.FromInt32(0)),
+					MaxSurge:       ptr.To(intstr.FromInt32(1)),
+				},
+			},
+			Template: corev1.PodTemplateSpec{
+				// The config revision is not in the template: a changed policy is reloaded from the
+				// mounted ConfigMap by the running pods, without a rollout.
+				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
+				Spec: corev1.PodSpec{
+					AutomountServiceAccountToken:  ptr.To(false),
+					TerminationGracePeriodSeconds: ptr.To[int64](35),
+					SecurityContext:               restrictedPod(),
+					TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{
+						MaxSkew:           1,
+						TopologyKey:       "kubernetes.io/hostname",
+						WhenUnsatisfiable: corev1.ScheduleAnyway,
+						LabelSelector:     &metav1.LabelSelector{MatchLabels: podLabels},
+					}},
+					Containers: []corev1.Container{{
+						Name:  "enforcer",
+						Image: image,
+						Args:  args,
+						Env:   env,
+						Ports: []corev1.ContainerPort{
+							{Name: "proxy", ContainerPort: ProxyPort, Protocol: corev1.ProtocolTCP},
+							{Name: "check", ContainerPort: CheckPort, Protocol: corev1.ProtocolTCP},
+							{Name: "admin", ContainerPort: AdminPort, Protocol: corev1.ProtocolTCP},
+						},
+						ReadinessProbe:  probe("/readyz", 5),
+						LivenessProbe:   probe("/healthz", 10),
+						Resources:       resources,
+						SecurityContext: restrictedContainer(),
+						VolumeMounts:    mounts,
+					}},
+					Volumes: append([]corev1.Volume{{
+						Name:         "config",
+						VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{LocalObjectReference: corev1.LocalObjectReference{Name: name}}},
+					}}, volumes...),
+				},
+			},
+		},
+	}
+	o.Service = &corev1.Service{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: corev1.ServiceSpec{
+			Selector: podLabels,
+			Ports: []corev1.ServicePort{
+				{Name: "proxy", Port: ProxyPort, TargetPort: intstr.FromString("proxy"), Protocol: corev1.ProtocolTCP},
+				{Name: "check", Port: CheckPort, TargetPort: intstr.FromString("check"), Protocol: corev1.ProtocolTCP},
+				{Name: "metrics", Port: AdminPort, TargetPort: intstr.FromString("admin"), Protocol: corev1.ProtocolTCP},
+			},
+		},
+	}
+	if replicas > 1 {
+		o.PDB = &policyv1.PodDisruptionBudget{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+			ObjectMeta: meta(p, name, labels, nil),
+			Spec: policyv1.PodDisruptionBudgetSpec{
+				MaxUnavailable: ptr.To(intstr.FromInt32(1)),
+				Selector:       &metav1.LabelSelector{MatchLabels: podLabels},
+			},
+		}
+	}
+	return o, nil
+}
+
+// policyFile is the policy as the enforcer loads it: the same document a user applies, reduced
+// to what decides requests. Secret references are names, never credentials.
+func policyFile(p *v1alpha1.RateLimitPolicy) ([]byte, error) {
+	doc := v1alpha1.RateLimitPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: v1alpha1.GroupVersion.String(), Kind: "RateLimitPolicy"},
+		ObjectMeta: metav1.ObjectMeta{Name: p.Name, Namespace: p.Namespace},
+		Spec:       *p.Spec.DeepCopy(),
+	}
+	doc.Spec.Enforcer = nil // shapes the Deployment, not decisions
+	out, err := yaml.Marshal(doc)
+	if err != nil {
+		return nil, fmt.Errorf("render the policy file: %w", err)
+	}
+	return out, nil
+}
+
+func redisArgs(r *v1alpha1.RedisStorage) []string {
+	addrs := make([]string, len(r.Addresses))
+	for i, a := range r.Addresses {
+		addrs[i] = string(a)
+	}
+	var args []string
+	switch r.Mode {
+	case v1alpha1.RedisCluster:
+		args = append(args, "--redis-cluster="+strings.Join(addrs, ","))
+	case v1alpha1.RedisSentinel:
+		args = append(args, "--redis-sentinel="+strings.Join(addrs, ","), "--redis-master="+r.MasterName)
+	default:
+		var db int32
+		if r.Database != nil {
+			db = *r.Database
+		}
+		args = append(args, fmt.Sprintf("--redis-url=redis://%s/%d", addrs[0], db))
+	}
+	if r.TLS != nil {
+		args = append(args, "--redis-tls")
+		if r.TLS.ServerName != "" {
+			args = append(args, "--redis-server-name="+r.TLS.ServerName)
+		}
+	}
+	if r.Timeout != nil {
+		args = append(args, "--redis-timeout="+string(*r.Timeout))
+	}
+	return args
+}
+
+// managedRedis is a Redis configured as a rate-limit store: nothing persisted (counters are
+// short-lived and rebuilt by traffic), bounded memory, and eviction of the keys closest to their
+// TTL, which are the ones closest to idle.
+func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service) {
+	labels := map[string]string{labelName: "sluice-redis", labelInstance: p.Name, labelManagedBy: "sluice", labelComponent: "redis"}
+	podLabels := map[string]string{labelName: "sluice-redis", labelInstance: p.Name}
+	image := d.RedisImage
+	if m.Image != "" {
+		image = m.Image
+	}
+	maxMemory := resource.MustParse("256Mi")
+	if m.MaxMemory != nil {
+		maxMemory = *m.MaxMemory
+	}
+	resources := corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: maxMemory},
+	}
+	if m.Resources != nil {
+		resources = *m.Resources
+	}
+	dep := &appsv1.Deployment{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: appsv1.DeploymentSpec{
+			Replicas: ptr.To[int32](1),
+			Selector: &metav1.LabelSelector{MatchLabels: podLabels},
+			Strategy: appsv1.DeploymentStrategy{Type: appsv1.RecreateDeploymentStrategyType},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
+				Spec: corev1.PodSpec{
+					AutomountServiceAccountToken: ptr.To(false),
+					SecurityContext:              restrictedPod(),
+					Containers: []corev1.Container{{
+						Name:  "redis",
+						Image: image,
+						Args: []string{
+							"--save", "", "--appendonly", "no",
+							"--maxmemory", fmt.Sprint(maxMemory.Value()),
+							"--maxmemory-policy", "volatile-ttl",
+						},
+						Ports:           []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
+						ReadinessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromString("redis")}}, PeriodSeconds: 5},
+						Resources:       resources,
+						SecurityContext: restrictedContainer(),
+					}},
+				},
+			},
+		},
+	}
+	svc := &corev1.Service{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: corev1.ServiceSpec{
+			Selector: podLabels,
+			Ports:    []corev1.ServicePort{{Name: "redis", Port: RedisPort, TargetPort: intstr.FromString("redis"), Protocol: corev1.ProtocolTCP}},
+		},
+	}
+	return dep, svc
+}
+
+func meta(p *v1alpha1.RateLimitPolicy, name string, labels, annotations map[string]string) metav1.ObjectMeta {
+	return metav1.ObjectMeta{
+		Name:        name,
+		Namespace:   p.Namespace,
+		Labels:      labels,
+		Annotations: annotations,
+		OwnerReferences: []metav1.OwnerReference{{
+			APIVersion:         v1alpha1.GroupVersion.String(),
+			Kind:               "RateLimitPolicy",
+			Name:               p.Name,
+			UID:                p.UID,
+			Controller:         ptr.To(true),
+			BlockOwnerDeletion: ptr.To(true),
+		}},
+	}
+}
+
+func secretEnv(name, secret, key, fallback string) corev1.EnvVar {
+	if key == "" {
+		key = fallback
+	}
+	return corev1.EnvVar{Name: name, ValueFrom: &corev1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
+		LocalObjectReference: corev1.LocalObjectReference{Name: secret}, Key: key,
+	}}}
+}
+
+func probe(path string, period int32) *corev1.Probe {
+	return &corev1.Probe{
+		ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: path, Port: intstr.FromString("admin")}},
+		PeriodSeconds: period,
+	}
+}
+
+// restrictedPod and restrictedContainer pass the Pod Security "restricted" profile.
+func restrictedPod() *corev1.PodSecurityContext {
+	return &corev1.PodSecurityContext{
+		RunAsNonRoot:   ptr.To(true),
+		RunAsUser:      ptr.To[int64](65532),
+		SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+	}
+}
+
+func restrictedContainer() *corev1.SecurityContext {
+	return &corev1.SecurityContext{
+		AllowPrivilegeEscalation: ptr.To(false),
+		ReadOnlyRootFilesystem:   ptr.To(true),
+		Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+	}
+}

@@ -1,0 +1,103 @@
+package render_test
+
+import (
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"sigs.k8s.io/yaml"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files")
+
+var defaults = render.Defaults{EnforcerImage: "example.com/sluice-enforcer:test", RedisImage: "example.com/redis:test"}
+
+func readSample(t *testing.T, name string) *v1alpha1.RateLimitPolicy {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("..", "..", "config", "samples", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &v1alpha1.RateLimitPolicy{}
+	if err := yaml.UnmarshalStrict(data, p); err != nil {
+		t.Fatal(err)
+	}
+	p.Namespace, p.UID = "shop", "0f0e0d0c-0b0a-0908-0706-050403020100"
+	return p
+}
+
+// Every sample renders to the objects pinned in testdata; run with -update after an intended
+// change and review the diff.
+func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
+	samples, _ := filepath.Glob(filepath.Join("..", "..", "config", "samples", "*.yaml"))
+	for _, path := range samples {
+		name := filepath.Base(path)
+		t.Run(name, func(t *testing.T) {
+			objs, err := render.Enforcer(readSample(t, name), defaults)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var docs []string
+			for _, o := range objs.All() {
+				out, err := yaml.Marshal(o)
+				if err != nil {
+					t.Fatal(err)
+				}
+				docs = append(docs, string(out))
+			}
+			got := strings.Join(docs, "---\n")
+			golden := filepath.Join("testdata", strings.TrimSuffix(name, ".yaml")+".golden.yaml")
+			if *update {
+				if err := os.WriteFile(golden, []byte(got), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatalf("%v (run go test ./controllers/render -update)", err)
+			}
+			if diff := cmp.Diff(string(want), got); diff != "" {
+				t.Errorf("rendered objects differ from %s (-want +got):\n%s", golden, diff)
+			}
+			// The enforcer reads the ConfigMap with the loader it uses for standalone files.
+			if _, err := enforcer.Load([]byte(objs.ConfigMap.Data["policy.yaml"])); err != nil {
+				t.Errorf("the enforcer cannot load the rendered config: %v", err)
+			}
+		})
+	}
+}
+
+func TestEnforcerWhenOnlyEnforcerShapeChangesThenConfigRevisionStays(t *testing.T) {
+	p := readSample(t, "fixed-window.yaml")
+	a, _ := render.Enforcer(p, defaults)
+	p.Spec.Enforcer.Replicas = new(int32(5))
+	b, _ := render.Enforcer(p, defaults)
+	if a.Revision != b.Revision {
+		t.Error("changing replicas changed the config revision: the enforcer's rules did not change")
+	}
+	p.Spec.Rules[0].FixedWindow.Limit++
+	c, _ := render.Enforcer(p, defaults)
+	if c.Revision == b.Revision || c.ConfigMap.Data["policy.yaml"] == b.ConfigMap.Data["policy.yaml"] {
+		t.Error("changing a limit did not change the config")
+	}
+}
+
+func TestEnforcerWhenNameIsLongThenObjectNamesStayDNSLabels(t *testing.T) {
+	p := readSample(t, "token-bucket.yaml")
+	p.Name = strings.Repeat("a", 120)
+	if n := render.Name(p); len(n) > 63 {
+		t.Errorf("name %q has %d characters", n, len(n))
+	}
+	q := p.DeepCopy()
+	q.Name = strings.Repeat("a", 119) + "b"
+	if render.Name(p) == render.Name(q) {
+		t.Error("two long names share their objects' name")
+	}
+}
