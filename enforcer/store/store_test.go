@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -450,20 +449,7 @@ func (h countHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 	return func(ctx context.Context, cmds []redis.Cmder) error { h.n.Add(1); return next(ctx, cmds) }
 }
 
-// scriptCalls is how many scripts Redis ran (EVALSHA and EVAL), from INFO commandstats. Commands
-// that scripts call are counted there too, under their own names, and are left out.
-func scriptCalls(tb testing.TB, c *redis.Client) int64 {
-	info, err := c.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	var total int64
-	for _, m := range regexp.MustCompile(`cmdstat_(evalsha|eval):calls=(\d+)`).FindAllStringSubmatch(info, -1) {
-		n, _ := strconv.ParseInt(m[2], 10, 64)
-		total += n
-	}
-	return total
-}
+var scriptCalls = redistest.ScriptCalls
 
 // One decision is one round trip and one script, whatever the number of rules.
 func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"syscall"
@@ -253,4 +254,22 @@ func lastLines(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+var scriptStat = regexp.MustCompile(`cmdstat_(evalsha|eval):calls=(\d+)`)
+
+// ScriptCalls is how many scripts the server ran (EVALSHA and EVAL), from INFO commandstats.
+// Commands that scripts call are counted there under their own names, and are left out.
+func ScriptCalls(tb testing.TB, c *redis.Client) int64 {
+	tb.Helper()
+	info, err := c.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var total int64
+	for _, m := range scriptStat.FindAllStringSubmatch(info, -1) {
+		n, _ := strconv.ParseInt(m[2], 10, 64)
+		total += n
+	}
+	return total
 }
