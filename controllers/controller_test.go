@@ -13,6 +13,7 @@ import (
 	"github.com/go-logr/logr"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -406,6 +407,18 @@ func TestReconcileWhenTwoPoliciesTargetOneServiceThenTheLaterIsConflicted(t *tes
 		t.Fatal(err)
 	}
 	waitCondition(t, second, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonConflicted)
+	eventually(t, "a Conflicted event on the later policy", func() (bool, string) {
+		var events eventsv1.EventList
+		if err := k8s.List(ctx, &events, client.InNamespace(ns)); err != nil {
+			return false, err.Error()
+		}
+		for _, e := range events.Items {
+			if e.Regarding.Name == "second" && e.Reason == v1alpha1.ReasonConflicted && e.Type == corev1.EventTypeWarning {
+				return true, ""
+			}
+		}
+		return false, fmt.Sprintf("%d events, none Conflicted for second", len(events.Items))
+	})
 	if c := condition(t, first, v1alpha1.ConditionAccepted); c.Status != metav1.ConditionTrue {
 		t.Errorf("the first policy lost its target: %+v", c)
 	}
