@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -175,16 +176,35 @@ func kstatus(t *testing.T, p *v1alpha1.RateLimitPolicy) status.Status {
 	return res.Status
 }
 
+// updateSpec changes a policy as a user would: on the latest version, again after a conflict with
+// the controller's own status writes.
+func updateSpec(t *testing.T, p *v1alpha1.RateLimitPolicy, change func(*v1alpha1.RateLimitPolicy)) {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(p), p); err != nil {
+			return err
+		}
+		change(p)
+		return k8s.Update(context.Background(), p)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // playDeploymentController sets the status the Deployment controller would once every replica of
 // the current spec is available (envtest runs no kube-controller-manager).
 func playDeploymentController(t *testing.T, d *appsv1.Deployment) {
 	t.Helper()
-	if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(d), d); err != nil {
-		t.Fatal(err)
-	}
-	n := *d.Spec.Replicas
-	d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: n, UpdatedReplicas: n, ReadyReplicas: n, AvailableReplicas: n}
-	if err := k8s.Status().Update(context.Background(), d); err != nil {
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(d), d); err != nil {
+			return err
+		}
+		n := *d.Spec.Replicas
+		d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: n, UpdatedReplicas: n, ReadyReplicas: n, AvailableReplicas: n}
+		return k8s.Status().Update(context.Background(), d)
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
 }
@@ -334,10 +354,7 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 	oldRevision := p.Status.Enforcer.ConfigRevision
 	oldTemplate := dep.Spec.Template.DeepCopy()
 
-	p.Spec.Rules[0].TokenBucket.Capacity = 20
-	if err := k8s.Update(ctx, p); err != nil {
-		t.Fatal(err)
-	}
+	updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].TokenBucket.Capacity = 20 })
 	eventually(t, "a new config revision", func() (bool, string) {
 		cm := &corev1.ConfigMap{}
 		_ = k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-change"}, cm)
@@ -361,10 +378,7 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 	playDeploymentController(t, dep)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
 
-	p.Spec.Enforcer.Replicas = ptr.To[int32](5)
-	if err := k8s.Update(ctx, p); err != nil {
-		t.Fatal(err)
-	}
+	updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Enforcer.Replicas = ptr.To[int32](5) })
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonRollingOut)
 	playDeploymentController(t, dep)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
