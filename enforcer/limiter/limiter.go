@@ -133,6 +133,7 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 	checks, rules := checkBuf[:0], ruleBuf[:0]
 	for _, p := range *l.policies.Load() {
 		var addr netip.Addr
+		var lastKey, lastTag string // rules of a policy often share their client key
 		for i := range p.Rules {
 			r := &p.Rules[i]
 			if !r.Match.Matches(req.Method, req.Path, req.Header) {
@@ -141,8 +142,10 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 			if !addr.IsValid() {
 				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
 			}
-			key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr)
-			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: store.Tag(p.ID, key), Rule: r.Name})
+			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
+				lastKey, lastTag = key, store.Tag(p.ID, key)
+			}
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: lastTag, Rule: r.Name})
 			rules = append(rules, matched{r, p.ID})
 		}
 	}

@@ -139,6 +139,11 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 	defer cancel()
 	id := s.idBase + strconv.FormatUint(s.seq.Add(1), 36)
 
+	if !s.cluster {
+		// One server holds every key: one script decides them all.
+		ok, _, err := s.run(ctx, checks, allChecks[:len(checks)], id, out)
+		return ok, err
+	}
 	groups := s.groups(checks)
 	if len(groups) == 1 {
 		ok, _, err := s.run(ctx, checks, groups[0], id, out)
@@ -168,16 +173,16 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 
 var errTooManyChecks = fmt.Errorf("more than %d rules in one decision", maxChecks)
 
-// groups partitions the checks into the sets one script may decide: all of them, except on a
-// Cluster, where checks are grouped by tag.
-func (s *Redis) groups(checks []Check) [][]int {
-	if !s.cluster {
-		g := make([]int, len(checks))
-		for i := range g {
-			g[i] = i
-		}
-		return [][]int{g}
+// allChecks indexes every check of a decision, without allocating per request.
+var allChecks = func() (idx [maxChecks]int) {
+	for i := range idx {
+		idx[i] = i
 	}
+	return idx
+}()
+
+// groups partitions a Cluster decision's checks by tag: the sets one script may decide.
+func (s *Redis) groups(checks []Check) [][]int {
 	var groups [][]int
 	for i := range checks {
 		placed := false
