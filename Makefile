@@ -46,7 +46,10 @@ lint: ## Lint the Go code with the pinned golangci-lint.
 	$(GOLANGCI_LINT) run ./...
 
 .PHONY: verify
-verify: generate manifests ## Regenerate everything and fail if anything generated drifted.
+verify: generate manifests ## Regenerate everything, fail if anything generated drifted or a kustomization is broken.
+	@for overlay in config/default config/cert-manager; do \
+		$(KUSTOMIZE) build $$overlay >/dev/null || { echo "kustomize build $$overlay failed"; exit 1; }; \
+	done
 	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook); \
 	if [[ -n "$$drift" ]]; then \
 		echo "Generated files are out of date; run 'make generate manifests' and commit:"; \
@@ -88,7 +91,15 @@ run: ## Run the manager against the cluster of the current kubeconfig.
 install: manifests ## Install the CRD into the cluster of the current kubeconfig.
 	$(KUSTOMIZE) build config/crd | kubectl apply --server-side -f -
 
+# OVERLAY=config/cert-manager has cert-manager issue the webhook certificate instead of the manager.
+OVERLAY ?= config/default
+
 .PHONY: deploy
-deploy: manifests ## Deploy the manager with image IMG into the cluster of the current kubeconfig.
+deploy: manifests ## Deploy the manager with images IMG and ENFORCER_IMG into the cluster of the current kubeconfig.
 	cd config/manager && $(KUSTOMIZE) edit set image controller=$(IMG)
-	$(KUSTOMIZE) build config/default | kubectl apply --server-side -f -
+	$(KUSTOMIZE) build $(OVERLAY) | sed 's|ghcr.io/sluice-dev/sluice-enforcer:latest|$(ENFORCER_IMG)|' | kubectl apply --server-side -f -
+
+.PHONY: undeploy
+undeploy: ## Remove what deploy installed (policies first, so their enforcers are collected).
+	-kubectl delete ratelimitpolicies --all --all-namespaces --wait
+	$(KUSTOMIZE) build $(OVERLAY) | kubectl delete --ignore-not-found -f -

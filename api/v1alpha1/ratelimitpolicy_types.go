@@ -129,7 +129,8 @@ type Rule struct {
 	FixedWindow *Window `json:"fixedWindow,omitempty"`
 
 	// slidingLog admits limit units in any window-long interval, exactly, by remembering each one.
-	// Its memory grows with limit.
+	// Its memory grows with limit: about 40 bytes per unit in Redis, so limit is at most 10000
+	// (a key of about 400 KB); use slidingWindowCounter for larger limits.
 	// +optional
 	SlidingLog *Window `json:"slidingLog,omitempty"`
 
@@ -158,7 +159,8 @@ type Rule struct {
 	Cost *int64 `json:"cost,omitempty"`
 
 	// failureMode says what the rule decides when its storage cannot answer: Open lets requests
-	// through, Closed refuses them with 503. Absent means spec.defaultFailureMode.
+	// through, Closed refuses them with 503. When absent, the admission webhook sets it to
+	// spec.defaultFailureMode.
 	// +optional
 	FailureMode FailureMode `json:"failureMode,omitempty"`
 
@@ -447,6 +449,9 @@ type RedisStorage struct {
 	// +optional
 	Timeout *Duration `json:"timeout,omitempty"`
 }
+
+// DefaultRedisTimeout is the timeout of storage.redis when it sets none.
+const DefaultRedisTimeout Duration = "50ms"
 
 // RedisMode is a Redis topology.
 //

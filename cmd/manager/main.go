@@ -3,20 +3,32 @@
 package main
 
 import (
+	"crypto/tls"
+	"errors"
 	"flag"
+	"fmt"
+	"net/http"
 	"os"
+	"strings"
+	"time"
 
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/webhook"
+	"github.com/sluice-dev/sluice/webhook/certs"
 )
 
 func main() {
@@ -27,6 +39,7 @@ func main() {
 		workers                int
 		qps                    float64
 		burst                  int
+		wh                     webhookFlags
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
@@ -36,6 +49,7 @@ func main() {
 	flag.IntVar(&workers, "workers", 4, "Policies reconciled at once.")
 	flag.Float64Var(&qps, "kube-api-qps", 50, "Requests per second the manager may send to the API server.")
 	flag.IntVar(&burst, "kube-api-burst", 100, "Burst of requests the manager may send to the API server.")
+	wh.bind(flag.CommandLine)
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse()
@@ -48,8 +62,14 @@ func main() {
 
 	cfg := ctrl.GetConfigOrDie()
 	cfg.QPS, cfg.Burst = float32(qps), burst
+	server, rotator, err := wh.server(cfg, scheme)
+	if err != nil {
+		log.Error(err, "Unable to set up the webhook server")
+		os.Exit(1)
+	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                 scheme,
+		WebhookServer:          server,
 		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
 		HealthProbeBindAddress: probeAddr,
 		LeaderElection:         leaderElect,
@@ -70,11 +90,24 @@ func main() {
 		log.Error(err, "Unable to set up the RateLimitPolicy controller")
 		os.Exit(1)
 	}
+	if err := webhook.Setup(mgr, defaults); err != nil {
+		log.Error(err, "Unable to set up the RateLimitPolicy webhook")
+		os.Exit(1)
+	}
+	readyz := mgr.GetWebhookServer().StartedChecker()
+	if rotator != nil {
+		if err := mgr.Add(rotator); err != nil {
+			log.Error(err, "Unable to add the certificate rotator")
+			os.Exit(1)
+		}
+		started := readyz
+		readyz = func(req *http.Request) error { return errors.Join(rotator.Ready(req), started(req)) }
+	}
 	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
 		log.Error(err, "Unable to add the health check")
 		os.Exit(1)
 	}
-	if err := mgr.AddReadyzCheck("readyz", healthz.Ping); err != nil {
+	if err := mgr.AddReadyzCheck("readyz", readyz); err != nil {
 		log.Error(err, "Unable to add the readiness check")
 		os.Exit(1)
 	}
@@ -83,4 +116,58 @@ func main() {
 		log.Error(err, "The manager stopped")
 		os.Exit(1)
 	}
+}
+
+// webhookFlags say where the webhook listens and where its certificate comes from.
+type webhookFlags struct {
+	host, certDir, namespace, secret, hosts, mutating, validating string
+	port                                                          int
+	caValidity, certValidity, interval                            time.Duration
+}
+
+func (f *webhookFlags) bind(fs *flag.FlagSet) {
+	fs.StringVar(&f.host, "webhook-host", "", "Address the webhook server listens on; empty means all.")
+	fs.IntVar(&f.port, "webhook-port", 9443, "Port of the webhook server.")
+	fs.StringVar(&f.certDir, "webhook-cert-dir", "", "Directory with tls.crt and tls.key, such as a cert-manager Secret mounted into the pod; "+
+		"reloaded when they change. Empty means built-in certificates: the manager makes and rotates its own and keeps the webhook configurations' caBundle.")
+	fs.StringVar(&f.namespace, "namespace", os.Getenv("POD_NAMESPACE"), "Namespace of the manager (built-in certificates). Defaults to $POD_NAMESPACE.")
+	fs.StringVar(&f.secret, "webhook-secret", "sluice-webhook-certs", "Secret in --namespace that holds the built-in certificates.")
+	fs.StringVar(&f.hosts, "webhook-cert-hosts", "", "Comma-separated DNS names and IPs of the built-in certificate. "+
+		"Empty means sluice-webhook-service.<namespace>.svc and its cluster.local form.")
+	fs.StringVar(&f.mutating, "mutating-webhook-configuration", "sluice-mutating-webhook-configuration", "MutatingWebhookConfiguration whose caBundle the built-in certificates keep.")
+	fs.StringVar(&f.validating, "validating-webhook-configuration", "sluice-validating-webhook-configuration", "ValidatingWebhookConfiguration whose caBundle the built-in certificates keep.")
+	fs.DurationVar(&f.caValidity, "webhook-ca-validity", 10*365*24*time.Hour, "Lifetime of a built-in CA; renewed with a third left.")
+	fs.DurationVar(&f.certValidity, "webhook-cert-validity", 90*24*time.Hour, "Lifetime of a built-in serving certificate; renewed with a third left.")
+	fs.DurationVar(&f.interval, "webhook-cert-check-interval", time.Minute, "How often the built-in certificates are checked.")
+}
+
+// server returns the webhook server and, in built-in mode, the rotator that feeds it.
+func (f *webhookFlags) server(cfg *rest.Config, scheme *runtime.Scheme) (ctrlwebhook.Server, *certs.Rotator, error) {
+	opts := ctrlwebhook.Options{Host: f.host, Port: f.port, CertDir: f.certDir}
+	if f.certDir != "" {
+		return ctrlwebhook.NewServer(opts), nil, nil
+	}
+	if f.namespace == "" {
+		return nil, nil, fmt.Errorf("built-in webhook certificates need --namespace or $POD_NAMESPACE")
+	}
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, nil, err
+	}
+	hosts := []string{"sluice-webhook-service." + f.namespace + ".svc", "sluice-webhook-service." + f.namespace + ".svc.cluster.local"}
+	if f.hosts != "" {
+		hosts = strings.Split(f.hosts, ",")
+	}
+	r := &certs.Rotator{
+		Client:             c,
+		Secret:             types.NamespacedName{Namespace: f.namespace, Name: f.secret},
+		Hosts:              hosts,
+		MutatingWebhooks:   []string{f.mutating},
+		ValidatingWebhooks: []string{f.validating},
+		CAValidity:         f.caValidity,
+		CertValidity:       f.certValidity,
+		Interval:           f.interval,
+	}
+	opts.TLSOpts = []func(*tls.Config){func(c *tls.Config) { c.GetCertificate = r.GetCertificate }}
+	return ctrlwebhook.NewServer(opts), r, nil
 }

@@ -113,6 +113,7 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 		}
 		out.TrustedProxies = append(out.TrustedProxies, prefix.Masked())
 	}
+	errs = append(errs, validateSpec(&p.Spec, spec)...)
 	return out, errs
 }
 
@@ -220,13 +221,21 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 				errs = append(errs, field.Invalid(p.Child("path", "value"), m.Path.Value, "must start with '/' for types Exact and Prefix"))
 			}
 		}
+		headers := map[string]bool{}
 		for i, h := range m.Headers {
-			if !validHeaderName(string(h.Name)) {
-				errs = append(errs, field.Invalid(p.Child("headers").Index(i).Child("name"), h.Name, "must be an HTTP header name"))
+			name := p.Child("headers").Index(i).Child("name")
+			canonical := http.CanonicalHeaderKey(string(h.Name))
+			switch {
+			case !validHeaderName(string(h.Name)):
+				errs = append(errs, field.Invalid(name, h.Name, "must be an HTTP header name"))
+			case headers[canonical]:
+				errs = append(errs, field.Invalid(name, h.Name, "must not repeat a header of this match: header names are compared without regard to case, and all conditions must hold"))
 			}
+			headers[canonical] = true
 			rule.Match.Headers = append(rule.Match.Headers, HeaderMatch{Name: http.CanonicalHeaderKey(string(h.Name)), Value: h.Value})
 		}
 	}
+	parts := map[KeySource]bool{}
 	for i, k := range r.Key {
 		ks := KeySource{Type: k.Type}
 		if k.Type == v1alpha1.KeyHeader {
@@ -236,9 +245,20 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 				ks.Header = http.CanonicalHeaderKey(string(*k.Name))
 			}
 		}
+		if parts[ks] {
+			errs = append(errs, field.Duplicate(path.Child("key").Index(i), describeKey(ks)))
+		}
+		parts[ks] = true
 		rule.Key = append(rule.Key, ks)
 	}
 	return rule, errs
+}
+
+func describeKey(k KeySource) string {
+	if k.Type == v1alpha1.KeyHeader {
+		return "Header " + k.Header
+	}
+	return string(k.Type)
 }
 
 func duration(d v1alpha1.Duration, path *field.Path, errs *field.ErrorList) time.Duration {

@@ -4,23 +4,17 @@
 package crd_test
 
 import (
-	"bufio"
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -58,30 +52,6 @@ func newNamespace(t *testing.T) string {
 	return ns.Name
 }
 
-// readObjects decodes every YAML document of a file.
-func readObjects(t *testing.T, path string) []*unstructured.Unstructured {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = f.Close() }()
-	var objs []*unstructured.Unstructured
-	dec := utilyaml.NewYAMLOrJSONDecoder(bufio.NewReader(f), 4096)
-	for {
-		u := &unstructured.Unstructured{}
-		if err := dec.Decode(&u.Object); err != nil {
-			if errors.Is(err, io.EOF) {
-				return objs
-			}
-			t.Fatalf("decode %s: %v", path, err)
-		}
-		if len(u.Object) > 0 {
-			objs = append(objs, u)
-		}
-	}
-}
-
 func TestSamplesWhenAppliedThenAcceptedWithDefaults(t *testing.T) {
 	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "config", "samples", "*.yaml"))
 	if len(files) < 6 {
@@ -91,7 +61,7 @@ func TestSamplesWhenAppliedThenAcceptedWithDefaults(t *testing.T) {
 	ctx := context.Background()
 	for _, file := range files {
 		t.Run(filepath.Base(file), func(t *testing.T) {
-			for _, u := range readObjects(t, file) {
+			for _, u := range testenv.ReadObjects(t, file) {
 				if u.GroupVersionKind() != testenv.GVK {
 					continue
 				}
@@ -116,66 +86,21 @@ func TestSamplesWhenAppliedThenAcceptedWithDefaults(t *testing.T) {
 	}
 }
 
-// invalidCase is a file of test/testdata/invalid: a policy and the field and message it must be
-// rejected with, from its "# field:" and "# message:" header lines.
-type invalidCase struct {
-	file, field, message string
-}
-
-func readInvalidCases(t *testing.T) []invalidCase {
-	t.Helper()
-	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "test", "testdata", "invalid", "*.yaml"))
-	var cases []invalidCase
-	for _, file := range files {
-		data, err := os.ReadFile(file)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c := invalidCase{file: file}
-		for _, line := range strings.Split(string(data), "\n") {
-			if v, ok := strings.CutPrefix(line, "# field: "); ok {
-				c.field = v
-			}
-			if v, ok := strings.CutPrefix(line, "# message: "); ok {
-				c.message = v
-			}
-		}
-		if c.field == "" || c.message == "" {
-			t.Fatalf("%s lacks its '# field:' or '# message:' line", file)
-		}
-		cases = append(cases, c)
-	}
-	return cases
-}
-
 func TestInvalidPoliciesWhenCreatedThenRejectedNamingTheField(t *testing.T) {
-	cases := readInvalidCases(t)
+	cases := testenv.ReadInvalidCases(t, filepath.Join(testenv.RepoRoot(), "test", "testdata", "invalid"))
 	if len(cases) < 15 {
 		t.Fatalf("found %d invalid policies, want at least 15", len(cases))
 	}
 	ns := newNamespace(t)
 	for _, c := range cases {
-		t.Run(filepath.Base(c.file), func(t *testing.T) {
-			objs := readObjects(t, c.file)
+		t.Run(filepath.Base(c.File), func(t *testing.T) {
+			objs := testenv.ReadObjects(t, c.File)
 			if len(objs) != 1 {
 				t.Fatalf("want one policy per file, got %d", len(objs))
 			}
 			u := objs[0]
 			u.SetNamespace(ns)
-			err := k8s.Create(context.Background(), u)
-			if !apierrors.IsInvalid(err) {
-				t.Fatalf("create: got %v, want an Invalid error", err)
-			}
-			var status apierrors.APIStatus
-			if !errors.As(err, &status) || status.Status().Details == nil {
-				t.Fatalf("error %v has no details", err)
-			}
-			for _, cause := range status.Status().Details.Causes {
-				if cause.Field == c.field && strings.Contains(cause.Message, c.message) {
-					return
-				}
-			}
-			t.Errorf("no cause at %s containing %q; got:\n%v", c.field, c.message, err)
+			testenv.RequireInvalid(t, k8s.Create(context.Background(), u), c.Field, c.Message)
 		})
 	}
 }

@@ -23,7 +23,21 @@ import (
 type Env struct {
 	Config *rest.Config
 	Client client.Client
-	env    *envtest.Environment
+	// Webhook says where the webhook server must listen, with WithWebhooks.
+	Webhook envtest.WebhookInstallOptions
+	env     *envtest.Environment
+}
+
+// Option changes what Start starts.
+type Option func(*envtest.Environment)
+
+// WithWebhooks installs the webhook configurations of config/webhook, rewritten to call
+// https://127.0.0.1:<port> with a CA that envtest makes; Env.Webhook has the port and the
+// certificate directory to serve from.
+func WithWebhooks() Option {
+	return func(e *envtest.Environment) {
+		e.WebhookInstallOptions.Paths = []string{filepath.Join(RepoRoot(), "config", "webhook", "manifests.yaml")}
+	}
 }
 
 // RepoRoot is the root of the Sluice checkout.
@@ -34,7 +48,7 @@ func RepoRoot() string {
 
 // Start starts kube-apiserver and etcd and installs the CRDs from config/crd/bases. Without
 // KUBEBUILDER_ASSETS it asks hack/envtest.sh for the binaries, which builds them on first use.
-func Start() (*Env, error) {
+func Start(opts ...Option) (*Env, error) {
 	assets := os.Getenv("KUBEBUILDER_ASSETS")
 	if assets == "" {
 		out, err := exec.Command(filepath.Join(RepoRoot(), "hack", "envtest.sh")).Output()
@@ -51,6 +65,9 @@ func Start() (*Env, error) {
 	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
 	// has an enforcer Service.
 	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
+	for _, o := range opts {
+		o(env)
+	}
 	cfg, err := env.Start()
 	if err != nil {
 		return nil, fmt.Errorf("start the test control plane from %s: %w", assets, err)
@@ -63,7 +80,7 @@ func Start() (*Env, error) {
 		_ = env.Stop()
 		return nil, fmt.Errorf("create a client: %w", err)
 	}
-	return &Env{Config: cfg, Client: c, env: env}, nil
+	return &Env{Config: cfg, Client: c, Webhook: env.WebhookInstallOptions, env: env}, nil
 }
 
 // Stop stops the control plane.

@@ -1,0 +1,121 @@
+// Package webhook is the admission webhook of RateLimitPolicy: typed adapters that default a
+// policy, validate it with the same functions the controller and the enforcer call
+// (enforcer/policy), and warn about legal but risky specs. Package certs keeps its certificate.
+package webhook
+
+import (
+	"context"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer/policy"
+)
+
+// Deletes are never intercepted: the verbs are create and update only.
+// +kubebuilder:webhook:path=/mutate-ratelimit-sluice-dev-v1alpha1-ratelimitpolicy,mutating=true,failurePolicy=fail,sideEffects=None,groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=create;update,versions=v1alpha1,name=mratelimitpolicy.sluice.dev,admissionReviewVersions=v1,timeoutSeconds=10
+// +kubebuilder:webhook:path=/validate-ratelimit-sluice-dev-v1alpha1-ratelimitpolicy,mutating=false,failurePolicy=fail,sideEffects=None,groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=create;update,versions=v1alpha1,name=vratelimitpolicy.sluice.dev,admissionReviewVersions=v1,timeoutSeconds=10
+
+// Setup registers the defaulting and validating webhooks with the manager's webhook server.
+func Setup(mgr ctrl.Manager, defaults render.Defaults) error {
+	return ctrl.NewWebhookManagedBy(mgr, &v1alpha1.RateLimitPolicy{}).
+		WithDefaulter(&Defaulter{Defaults: defaults}).
+		WithValidator(&Validator{}).
+		Complete()
+}
+
+// Defaulter writes into the stored policy every value the controller would otherwise assume, so
+// that `kubectl get -o yaml` shows what runs.
+type Defaulter struct {
+	// Defaults are the manager's images.
+	Defaults render.Defaults
+}
+
+var _ admission.Defaulter[*v1alpha1.RateLimitPolicy] = &Defaulter{}
+
+// Default fills in the policy. It runs before the schema is checked, so it must not assume that
+// the policy is valid.
+func (d *Defaulter) Default(_ context.Context, p *v1alpha1.RateLimitPolicy) error {
+	s := &p.Spec
+	if s.DefaultFailureMode == "" {
+		s.DefaultFailureMode = v1alpha1.FailOpen
+	}
+	for i := range s.Rules {
+		r := &s.Rules[i]
+		if r.Cost == nil {
+			r.Cost = ptr.To[int64](1)
+		}
+		if r.Mode == "" {
+			r.Mode = v1alpha1.ModeEnforce
+		}
+		if r.FailureMode == "" {
+			r.FailureMode = s.DefaultFailureMode
+		}
+		if m := r.Match; m != nil && m.Path != nil && m.Path.Type == "" {
+			m.Path.Type = v1alpha1.PathMatchPrefix
+		}
+	}
+	if st := s.Storage; st != nil {
+		if r := st.Redis; r != nil {
+			if r.Mode == "" {
+				r.Mode = v1alpha1.RedisStandalone
+			}
+			if r.Timeout == nil {
+				r.Timeout = ptr.To(v1alpha1.DefaultRedisTimeout)
+			}
+			if c := r.CredentialsSecretRef; c != nil && c.PasswordKey == "" {
+				c.PasswordKey = "password"
+			}
+		}
+		if m := st.ManagedRedis; m != nil {
+			if m.Image == "" {
+				m.Image = d.Defaults.RedisImage
+			}
+			if m.MaxMemory == nil {
+				m.MaxMemory = ptr.To(resource.MustParse("256Mi"))
+			}
+		}
+	}
+	if s.Enforcer == nil {
+		s.Enforcer = &v1alpha1.EnforcerSpec{}
+	}
+	if s.Enforcer.Replicas == nil {
+		s.Enforcer.Replicas = ptr.To(render.Replicas(p))
+	}
+	if s.Enforcer.Image == "" {
+		s.Enforcer.Image = d.Defaults.EnforcerImage
+	}
+	return nil
+}
+
+// Validator rejects policies that can never work, naming the field, and warns about risky ones.
+type Validator struct{}
+
+var _ admission.Validator[*v1alpha1.RateLimitPolicy] = &Validator{}
+
+// ValidateCreate judges a new policy.
+func (v *Validator) ValidateCreate(_ context.Context, p *v1alpha1.RateLimitPolicy) (admission.Warnings, error) {
+	return validate(p)
+}
+
+// ValidateUpdate judges the new version of a policy on its own: nothing in a policy is immutable.
+func (v *Validator) ValidateUpdate(_ context.Context, _, p *v1alpha1.RateLimitPolicy) (admission.Warnings, error) {
+	return validate(p)
+}
+
+// ValidateDelete allows every delete; the webhook is not even registered for deletes.
+func (v *Validator) ValidateDelete(context.Context, *v1alpha1.RateLimitPolicy) (admission.Warnings, error) {
+	return nil, nil
+}
+
+func validate(p *v1alpha1.RateLimitPolicy) (admission.Warnings, error) {
+	if errs := policy.Validate(p); len(errs) > 0 {
+		return nil, apierrors.NewInvalid(v1alpha1.GroupVersion.WithKind("RateLimitPolicy").GroupKind(), p.Name, errs)
+	}
+	return Warnings(p), nil
+}

@@ -1,0 +1,122 @@
+package webhook
+
+import (
+	"fmt"
+	"reflect"
+	"strings"
+	"time"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/enforcer/algorithm"
+	"github.com/sluice-dev/sluice/enforcer/policy"
+)
+
+// Warnings returns what is legal but probably not what the author meant. kubectl prints each one.
+// The policy must be valid.
+func Warnings(p *v1alpha1.RateLimitPolicy) []string {
+	c, err := policy.Compile(p)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	shadow := 0
+	for i, r := range c.Rules {
+		if !r.Enforce {
+			shadow++
+		}
+		if len(r.Key) == 0 {
+			out = append(out, fmt.Sprintf("%s has no key: every client shares one counter, so one client can use up the limit for all",
+				ruleRef(i, r.Name)))
+		}
+	}
+	if shadow == len(c.Rules) {
+		out = append(out, "spec.rules: every rule is in Shadow mode, so this policy counts requests but never refuses one")
+	}
+	out = append(out, burstWarnings(p, c)...)
+	if s := p.Spec.Storage; s != nil && (s.Redis != nil || s.ManagedRedis != nil) {
+		for i, r := range c.Rules {
+			if r.FailOpen && r.Enforce && isLoginPath(r.Match.Value) {
+				out = append(out, fmt.Sprintf("%s fails open on a login path (%s): while Redis cannot answer, it admits unlimited attempts such as password guessing; set failureMode: Closed",
+					ruleRef(i, r.Name), r.Match.Value))
+			}
+		}
+	}
+	return out
+}
+
+// burstWarnings finds pairs of rules over the same requests and clients where the shorter one (the
+// burst rule) admits more at once than the longer window rule (the sustained rule) allows in its
+// whole window: one burst spends the sustained allowance, and the burst rule never binds.
+func burstWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
+	var out []string
+	for s, sustained := range c.Rules {
+		if !isWindow(sustained.Limit.Kind) {
+			continue
+		}
+		for b, burst := range c.Rules {
+			if b == s || horizon(burst.Limit) >= sustained.Limit.Period ||
+				!reflect.DeepEqual(p.Spec.Rules[b].Match, p.Spec.Rules[s].Match) || !reflect.DeepEqual(burst.Key, sustained.Key) {
+				continue
+			}
+			if at := burstSize(burst.Limit); at > sustained.Limit.Limit {
+				out = append(out, fmt.Sprintf("%s admits up to %d units at once, more than %s allows in its whole %s window (%d): one burst spends the sustained allowance and the burst rule never takes effect",
+					ruleRef(b, burst.Name), at, ruleRef(s, sustained.Name), windowOf(&p.Spec.Rules[s]), sustained.Limit.Limit))
+			}
+		}
+	}
+	return out
+}
+
+// windowOf is the window of a window rule, as the author wrote it.
+func windowOf(r *v1alpha1.Rule) v1alpha1.Duration {
+	for _, w := range []*v1alpha1.Window{r.FixedWindow, r.SlidingLog, r.SlidingWindowCounter} {
+		if w != nil {
+			return w.Window
+		}
+	}
+	return ""
+}
+
+func ruleRef(i int, name string) string { return fmt.Sprintf("spec.rules[%d] (%q)", i, name) }
+
+func isWindow(k algorithm.Kind) bool {
+	return k == algorithm.FixedWindow || k == algorithm.SlidingLog || k == algorithm.SlidingWindowCounter
+}
+
+// horizon is how long a rule remembers: a window, or the time to refill or drain a full bucket.
+func horizon(l algorithm.Limit) time.Duration {
+	if isWindow(l.Kind) {
+		return l.Period
+	}
+	return time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
+}
+
+// burstSize is the most a rule admits at one instant: a full bucket, a window's limit, or twice
+// the limit of a fixed window straddling its boundary.
+func burstSize(l algorithm.Limit) int64 {
+	if l.Kind == algorithm.FixedWindow {
+		return 2 * l.Limit
+	}
+	return l.Limit
+}
+
+var loginWords = map[string]bool{
+	"login": true, "logon": true, "signin": true, "auth": true, "oauth": true, "oauth2": true, "authenticate": true,
+	"token": true, "session": true, "sessions": true, "password": true, "passwords": true, "otp": true, "mfa": true,
+}
+
+// isLoginPath reports whether a path, prefix or expression names a login or credential endpoint.
+func isLoginPath(value string) bool {
+	v := strings.ToLower(value)
+	for _, compound := range []string{"log-in", "log_in", "sign-in", "sign_in"} {
+		if strings.Contains(v, compound) {
+			return true
+		}
+	}
+	for _, w := range strings.FieldsFunc(v, func(r rune) bool { return (r < 'a' || r > 'z') && (r < '0' || r > '9') }) {
+		if loginWords[w] {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,91 @@
+package webhook_test
+
+import (
+	"testing"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/webhook"
+)
+
+type warningCase struct {
+	name   string
+	policy func() *v1alpha1.RateLimitPolicy
+	want   []string // substrings, one per expected warning
+}
+
+var byClient = []v1alpha1.KeySource{{Type: v1alpha1.KeyRemoteAddress}}
+
+func bucket(name string, capacity, tokens int64, period v1alpha1.Duration) v1alpha1.Rule {
+	return v1alpha1.Rule{Name: name, Key: byClient,
+		TokenBucket: &v1alpha1.TokenBucket{Capacity: capacity, Refill: v1alpha1.TokenRefill{Tokens: tokens, Period: period}}}
+}
+
+func policyOf(rules ...v1alpha1.Rule) func() *v1alpha1.RateLimitPolicy {
+	return func() *v1alpha1.RateLimitPolicy {
+		p := validPolicy("", "")
+		p.Spec.Rules = rules
+		return p
+	}
+}
+
+func withRedis(f func() *v1alpha1.RateLimitPolicy) func() *v1alpha1.RateLimitPolicy {
+	return func() *v1alpha1.RateLimitPolicy {
+		p := f()
+		p.Spec.Storage = &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{"redis.example:6379"}}}
+		return p
+	}
+}
+
+func onPath(r v1alpha1.Rule, t v1alpha1.PathMatchType, value string, mode v1alpha1.FailureMode) v1alpha1.Rule {
+	r.Match = &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: t, Value: value}}
+	r.FailureMode = mode
+	return r
+}
+
+func warningCases() []warningCase {
+	sustained := v1alpha1.Rule{Name: "sustained", Key: byClient, SlidingWindowCounter: &v1alpha1.Window{Limit: 100, Window: "1m"}}
+	noKey := bucket("global", 10, 1, "1s")
+	noKey.Key = nil
+	shadow := bucket("trial", 10, 1, "1s")
+	shadow.Mode = v1alpha1.ModeShadow
+	boundary := v1alpha1.Rule{Name: "per-second", Key: byClient, FixedWindow: &v1alpha1.Window{Limit: 60, Window: "1s"}}
+	exact := v1alpha1.Rule{Name: "per-minute", Key: byClient, SlidingLog: &v1alpha1.Window{Limit: 100, Window: "1m"}}
+	otherKey := bucket("burst", 200, 10, "1s")
+	otherKey.Key = []v1alpha1.KeySource{{Type: v1alpha1.KeyMethod}}
+	return []warningCase{
+		{"when every rule has a key and enforces then nothing is said", policyOf(bucket("a", 10, 1, "1s")), nil},
+		{"when a rule has no key then one counter is shared by every client", policyOf(noKey),
+			[]string{`spec.rules[0] ("global") has no key: every client shares one counter`}},
+		{"when every rule is Shadow then the policy never refuses", policyOf(shadow),
+			[]string{"every rule is in Shadow mode, so this policy counts requests but never refuses one"}},
+		{"when a burst rule admits more at once than the sustained window allows then the burst never binds",
+			policyOf(bucket("burst", 200, 10, "1s"), sustained),
+			[]string{`spec.rules[0] ("burst") admits up to 200 units at once, more than spec.rules[1] ("sustained") allows in its whole 1m window (100)`}},
+		{"when a fixed window can pass twice its limit around a boundary then that counts as its burst",
+			policyOf(boundary, exact),
+			[]string{`spec.rules[0] ("per-second") admits up to 120 units at once, more than spec.rules[1] ("per-minute") allows in its whole 1m window (100)`}},
+		{"when the burst fits in the sustained window then nothing is said", policyOf(bucket("burst", 10, 10, "1s"), sustained), nil},
+		{"when the rules count different clients then they are not a burst and sustained pair",
+			policyOf(otherKey, sustained), nil},
+		{"when a rule fails open on a login path with Redis then guessing is unlimited during an outage",
+			withRedis(policyOf(onPath(bucket("login", 5, 1, "1m"), v1alpha1.PathMatchExact, "/login", v1alpha1.FailOpen))),
+			[]string{`spec.rules[0] ("login") fails open on a login path (/login)`}},
+		{"when a rule fails open on an OAuth token expression then it is a login path too",
+			withRedis(policyOf(onPath(bucket("token", 5, 1, "1m"), v1alpha1.PathMatchRegularExpression, "/api/v[0-9]+/oauth/token", v1alpha1.FailOpen))),
+			[]string{`fails open on a login path (/api/v[0-9]+/oauth/token)`}},
+		{"when a rule fails closed on a login path then nothing is said",
+			withRedis(policyOf(onPath(bucket("login", 5, 1, "1m"), v1alpha1.PathMatchPrefix, "/sign-in", v1alpha1.FailClosed))), nil},
+		{"when a fail-open rule is on a path that only contains a login word then nothing is said",
+			withRedis(policyOf(onPath(bucket("authors", 5, 1, "1m"), v1alpha1.PathMatchPrefix, "/authors", v1alpha1.FailOpen))), nil},
+		{"when storage is memory then there is no outage to fail open in",
+			policyOf(onPath(bucket("login", 5, 1, "1m"), v1alpha1.PathMatchExact, "/login", v1alpha1.FailOpen)), nil},
+	}
+}
+
+func TestWarnings(t *testing.T) {
+	for _, c := range warningCases() {
+		t.Run(c.name, func(t *testing.T) {
+			requireWarnings(t, webhook.Warnings(c.policy()), c.want)
+		})
+	}
+}

@@ -1,0 +1,358 @@
+package webhook_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/google/go-cmp/cmp"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/webhook"
+)
+
+var (
+	k8s      client.Client
+	warned   client.Client
+	warnings = &warningRecorder{}
+	defaults = render.Defaults{EnforcerImage: "registry.example/sluice-enforcer:v9", RedisImage: "registry.example/redis:7"}
+)
+
+// warningRecorder collects the admission warnings the API server returns.
+type warningRecorder struct {
+	mu   sync.Mutex
+	seen []string
+}
+
+func (w *warningRecorder) HandleWarningHeaderWithContext(_ context.Context, _ int, _ string, text string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.seen = append(w.seen, text)
+}
+
+func (w *warningRecorder) take() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	seen := w.seen
+	w.seen = nil
+	return seen
+}
+
+// TestMain starts a real API server with the webhook configurations of config/webhook, and a
+// manager serving the webhook where they point.
+func TestMain(m *testing.M) {
+	ctrl.SetLogger(logr.Discard())
+	env, err := testenv.Start(testenv.WithWebhooks())
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = v1alpha1.AddToScheme(scheme)
+	k8s, _ = client.New(env.Config, client.Options{Scheme: scheme})
+	cfg := rest.CopyConfig(env.Config)
+	cfg.WarningHandlerWithContext = warnings
+	warned, _ = client.New(cfg, client.Options{Scheme: scheme})
+
+	mgr, err := ctrl.NewManager(env.Config, ctrl.Options{
+		Scheme:  scheme,
+		Metrics: metricsserver.Options{BindAddress: "0"},
+		WebhookServer: ctrlwebhook.NewServer(ctrlwebhook.Options{
+			Host: env.Webhook.LocalServingHost, Port: env.Webhook.LocalServingPort, CertDir: env.Webhook.LocalServingCertDir,
+		}),
+	})
+	if err == nil {
+		err = webhook.Setup(mgr, defaults)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { _ = mgr.Start(ctx) }()
+	if err := waitForWebhook(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	cancel()
+	if err := env.Stop(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+	}
+	os.Exit(code)
+}
+
+// waitForWebhook waits until a dry-run create passes through both webhooks.
+func waitForWebhook(ctx context.Context) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		p := validPolicy("default", "probe")
+		err := k8s.Create(ctx, p, client.DryRunAll)
+		if err == nil && p.Spec.Enforcer != nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the webhook did not answer in 30s: %w", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func validPolicy(ns, name string) *v1alpha1.RateLimitPolicy {
+	return &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+			Rules: []v1alpha1.Rule{{
+				Name:        "per-client",
+				TokenBucket: &v1alpha1.TokenBucket{Capacity: 10, Refill: v1alpha1.TokenRefill{Tokens: 5, Period: "1s"}},
+				Key:         []v1alpha1.KeySource{{Type: v1alpha1.KeyRemoteAddress}},
+			}},
+		},
+	}
+}
+
+func newNamespace(t *testing.T) string {
+	t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "webhook-"}}
+	if err := k8s.Create(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+	return ns.Name
+}
+
+func TestInvalidPoliciesWhenCreatedThroughTheAPIServerThenRejectedNamingTheField(t *testing.T) {
+	// The schema's cases (rejected by CEL before the webhook is asked) and the webhook's own.
+	cases := append(testenv.ReadInvalidCases(t, filepath.Join(testenv.RepoRoot(), "test", "testdata", "invalid")),
+		testenv.ReadInvalidCases(t, filepath.Join("testdata", "invalid"))...)
+	if len(cases) < 30 {
+		t.Fatalf("found %d invalid policies, want at least 30", len(cases))
+	}
+	ns := newNamespace(t)
+	for _, c := range cases {
+		t.Run(filepath.Base(c.File), func(t *testing.T) {
+			objs := testenv.ReadObjects(t, c.File)
+			if len(objs) != 1 {
+				t.Fatalf("want one policy per file, got %d", len(objs))
+			}
+			objs[0].SetNamespace(ns)
+			testenv.RequireInvalid(t, k8s.Create(context.Background(), objs[0]), c.Field, c.Message)
+		})
+	}
+}
+
+func TestWebhookCasesWhenValidatedWithoutTheAPIServerThenTheValidatorRejectsThem(t *testing.T) {
+	// The webhook's cases pass the schema: only the validator can reject them.
+	for _, c := range testenv.ReadInvalidCases(t, filepath.Join("testdata", "invalid")) {
+		t.Run(filepath.Base(c.File), func(t *testing.T) {
+			p := &v1alpha1.RateLimitPolicy{}
+			if err := runtime.DefaultUnstructuredConverter.FromUnstructured(testenv.ReadObjects(t, c.File)[0].Object, p); err != nil {
+				t.Fatal(err)
+			}
+			_, err := (&webhook.Validator{}).ValidateCreate(context.Background(), p)
+			testenv.RequireInvalid(t, err, c.Field, c.Message)
+			if err := k8s.Create(context.Background(), testenv.ReadObjects(t, c.File)[0], client.DryRunAll); err == nil {
+				t.Fatal("accepted by the API server")
+			}
+		})
+	}
+}
+
+func TestSamplesWhenCreatedThenAcceptedWithEveryDefaultStored(t *testing.T) {
+	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "config", "samples", "*.yaml"))
+	if len(files) < 6 {
+		t.Fatalf("found %d samples, want at least 6", len(files))
+	}
+	ns := newNamespace(t)
+	ctx := context.Background()
+	for _, file := range files {
+		t.Run(filepath.Base(file), func(t *testing.T) {
+			for _, u := range testenv.ReadObjects(t, file) {
+				if u.GroupVersionKind() != testenv.GVK {
+					continue
+				}
+				u.SetNamespace(ns)
+				if err := k8s.Create(ctx, u); err != nil {
+					t.Fatalf("create %s: %v", u.GetName(), err)
+				}
+				var written v1alpha1.RateLimitPolicy
+				_ = runtime.DefaultUnstructuredConverter.FromUnstructured(testenv.ReadObjects(t, file)[0].Object, &written)
+				got := &v1alpha1.RateLimitPolicy{}
+				if err := k8s.Get(ctx, client.ObjectKeyFromObject(u), got); err != nil {
+					t.Fatal(err)
+				}
+				requireDefaults(t, &written, got)
+			}
+		})
+	}
+}
+
+// requireDefaults checks that every value the author left out is stored with its default, and
+// that nothing the author wrote changed.
+func requireDefaults(t *testing.T, written, got *v1alpha1.RateLimitPolicy) {
+	t.Helper()
+	s := got.Spec
+	for i, r := range s.Rules {
+		w := written.Spec.Rules[i]
+		wantFailure := w.FailureMode
+		if wantFailure == "" {
+			wantFailure = s.DefaultFailureMode
+		}
+		if r.Cost == nil || (w.Cost != nil && *r.Cost != *w.Cost) || (w.Cost == nil && *r.Cost != 1) || r.Mode == "" || r.FailureMode != wantFailure {
+			t.Errorf("rule %s: cost %v mode %q failureMode %q; want cost as written or 1, a mode, failureMode %q",
+				r.Name, r.Cost, r.Mode, r.FailureMode, wantFailure)
+		}
+	}
+	if s.Enforcer == nil || s.Enforcer.Replicas == nil {
+		t.Fatal("enforcer.replicas not defaulted")
+	}
+	wantReplicas := int32(1)
+	if st := s.Storage; st != nil && (st.Redis != nil || st.ManagedRedis != nil) {
+		wantReplicas = 2
+	}
+	if e := written.Spec.Enforcer; e != nil && e.Replicas != nil {
+		wantReplicas = *e.Replicas
+	}
+	if *s.Enforcer.Replicas != wantReplicas {
+		t.Errorf("enforcer.replicas = %d, want %d", *s.Enforcer.Replicas, wantReplicas)
+	}
+	if e := written.Spec.Enforcer; (e == nil || e.Image == "") && s.Enforcer.Image != defaults.EnforcerImage {
+		t.Errorf("enforcer.image = %q, want the manager's %q", s.Enforcer.Image, defaults.EnforcerImage)
+	}
+	if st := s.Storage; st != nil && st.Redis != nil {
+		wantTimeout := v1alpha1.DefaultRedisTimeout
+		if w := written.Spec.Storage.Redis.Timeout; w != nil {
+			wantTimeout = *w
+		}
+		if st.Redis.Timeout == nil || *st.Redis.Timeout != wantTimeout || st.Redis.Mode == "" {
+			t.Errorf("redis timeout %v mode %q; want %s and a mode", st.Redis.Timeout, st.Redis.Mode, wantTimeout)
+		}
+	}
+	if st := s.Storage; st != nil && st.ManagedRedis != nil {
+		if st.ManagedRedis.Image == "" || st.ManagedRedis.MaxMemory == nil {
+			t.Errorf("managedRedis image %q maxMemory %v; want both defaulted", st.ManagedRedis.Image, st.ManagedRedis.MaxMemory)
+		}
+	}
+}
+
+func TestPolicyWhenRulesLeaveFailureModeOutThenItIsCopiedFromDefaultFailureMode(t *testing.T) {
+	ns := newNamespace(t)
+	p := validPolicy(ns, "closed")
+	p.Spec.DefaultFailureMode = v1alpha1.FailClosed
+	p.Spec.Rules = append(p.Spec.Rules, v1alpha1.Rule{Name: "open", FailureMode: v1alpha1.FailOpen,
+		FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}, Key: p.Spec.Rules[0].Key})
+	p.Spec.Storage = &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{"redis.example:6379"}}}
+	if err := k8s.Create(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]v1alpha1.FailureMode{}
+	for _, r := range p.Spec.Rules {
+		got[r.Name] = r.FailureMode
+	}
+	if diff := cmp.Diff(map[string]v1alpha1.FailureMode{"per-client": v1alpha1.FailClosed, "open": v1alpha1.FailOpen}, got); diff != "" {
+		t.Errorf("failure modes (-want +got):\n%s", diff)
+	}
+	if *p.Spec.Enforcer.Replicas != 2 || *p.Spec.Storage.Redis.Timeout != "50ms" || p.Spec.Storage.Redis.Mode != v1alpha1.RedisStandalone {
+		t.Errorf("enforcer %+v redis %+v; want 2 replicas with Redis, timeout 50ms, mode Standalone", p.Spec.Enforcer, p.Spec.Storage.Redis)
+	}
+}
+
+func TestRiskyPoliciesWhenCreatedThenKubectlGetsWarnings(t *testing.T) {
+	ns := newNamespace(t)
+	for i, c := range warningCases() {
+		t.Run(c.name, func(t *testing.T) {
+			p := c.policy()
+			p.Namespace, p.Name = ns, fmt.Sprintf("risky-%d", i)
+			warnings.take()
+			if err := warned.Create(context.Background(), p); err != nil {
+				t.Fatal(err)
+			}
+			requireWarnings(t, warnings.take(), c.want)
+		})
+	}
+}
+
+func TestPolicyWhenUpdatedToSomethingInvalidThenRejectedAndTheOldSpecStays(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	p := validPolicy(ns, "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	p.Spec.Rules[0].TokenBucket = nil
+	p.Spec.Rules[0].LeakyBucket = &v1alpha1.LeakyBucket{Capacity: 10, Drain: v1alpha1.DrainRate{Requests: 1, Period: "1s"}, MaxWait: ptr.To[v1alpha1.Duration]("1h")}
+	testenv.RequireInvalid(t, k8s.Update(ctx, p), "spec.rules[0].leakyBucket.maxWait", "must not exceed 10s")
+
+	got := &v1alpha1.RateLimitPolicy{}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Spec.Rules[0].TokenBucket == nil || got.Spec.Rules[0].LeakyBucket != nil {
+		t.Errorf("stored rule = %+v, want the token bucket it had", got.Spec.Rules[0])
+	}
+}
+
+func TestWebhookConfigurationsWhenInstalledThenFailClosedOnCreateAndUpdateAndNeverSeeDeletes(t *testing.T) {
+	ctx := context.Background()
+	var mutating admissionregistrationv1.MutatingWebhookConfigurationList
+	var validating admissionregistrationv1.ValidatingWebhookConfigurationList
+	if err := k8s.List(ctx, &mutating); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.List(ctx, &validating); err != nil {
+		t.Fatal(err)
+	}
+	type hook struct {
+		policy admissionregistrationv1.FailurePolicyType
+		ops    []admissionregistrationv1.OperationType
+	}
+	var got []hook
+	for _, c := range mutating.Items {
+		for _, w := range c.Webhooks {
+			got = append(got, hook{*w.FailurePolicy, w.Rules[0].Operations})
+		}
+	}
+	for _, c := range validating.Items {
+		for _, w := range c.Webhooks {
+			got = append(got, hook{*w.FailurePolicy, w.Rules[0].Operations})
+		}
+	}
+	ops := []admissionregistrationv1.OperationType{admissionregistrationv1.Create, admissionregistrationv1.Update}
+	want := []hook{{admissionregistrationv1.Fail, ops}, {admissionregistrationv1.Fail, ops}}
+	if diff := cmp.Diff(want, got, cmp.AllowUnexported(hook{})); diff != "" {
+		t.Errorf("webhooks (-want +got):\n%s", diff)
+	}
+}
+
+func requireWarnings(t *testing.T, got, want []string) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("got %d warnings, want %d:\n%s", len(got), len(want), strings.Join(got, "\n"))
+	}
+	for _, w := range want {
+		if !slices.ContainsFunc(got, func(g string) bool { return strings.Contains(g, w) }) {
+			t.Errorf("no warning containing %q in:\n%s", w, strings.Join(got, "\n"))
+		}
+	}
+}
