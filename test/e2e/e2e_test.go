@@ -1,0 +1,296 @@
+// Package e2e_test proves the whole loop on one machine: a policy applied through the real API
+// server and the webhook, reconciled by the manager binary, enforced by the enforcer binary that
+// the controller rendered, on real HTTP traffic with a real Redis.
+package e2e_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/test/testenv"
+)
+
+func TestEndToEnd(t *testing.T) {
+	ctx := context.Background()
+	env, err := testenv.Start(testenv.WithWebhooks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	k8s := env.Client
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	data, err := env.Kubeconfig()
+	if err == nil {
+		err = os.WriteFile(kubeconfig, data, 0o600)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	managerBin, enforcerBin, err := local.Build(ctx, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	redis := redistest.NewServer(t)
+	logs := newProcessLog(t)
+	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mgr.Stop)
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
+	t.Cleanup(upstream.Close)
+
+	// A Service to front, and a policy with one fail-open and one fail-closed rule.
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "e2e-"}}
+	if err := k8s.Create(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "api"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
+	if err := k8s.Create(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	byClient := []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}}
+	policy := &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "api"},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+			Rules: []v1alpha1.Rule{
+				{Name: "open", FailureMode: v1alpha1.FailOpen, Key: byClient,
+					Match:       &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: v1alpha1.PathMatchPrefix, Value: "/open"}},
+					FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1h"}},
+				{Name: "closed", FailureMode: v1alpha1.FailClosed, Key: byClient,
+					Match:       &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: v1alpha1.PathMatchPrefix, Value: "/closed"}},
+					FixedWindow: &v1alpha1.Window{Limit: 3, Window: "1h"}},
+			},
+			Storage: &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redis.Addr())}}},
+		},
+	}
+	if err := k8s.Create(ctx, policy); err != nil {
+		t.Fatal(err)
+	}
+	key := client.ObjectKeyFromObject(policy)
+
+	t.Run("when applied then Accepted and Programmed", func(t *testing.T) {
+		waitFor(t, 30*time.Second, func() error {
+			if err := k8s.Get(ctx, key, policy); err != nil {
+				return err
+			}
+			for _, c := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionProgrammed} {
+				if !meta.IsStatusConditionTrue(policy.Status.Conditions, c) {
+					return fmt.Errorf("%s is not True: %+v", c, policy.Status.Conditions)
+				}
+			}
+			return nil
+		})
+	})
+
+	enforcer, err := local.RunEnforcer(ctx, k8s, enforcerBin, key, upstream.URL, dir, logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(enforcer.Stop)
+	send := func(path, client string) *http.Response {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, enforcer.ProxyURL+path, nil)
+		req.Header.Set("X-Client", client)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		return resp
+	}
+	// passes sends n requests for one client and counts those that reach the upstream.
+	passes := func(path, client string, n int) int {
+		t.Helper()
+		ok := 0
+		for range n {
+			switch resp := send(path, client); resp.StatusCode {
+			case http.StatusOK:
+				ok++
+			case http.StatusTooManyRequests:
+				if resp.Header.Get("Retry-After") == "" || resp.Header.Get("RateLimit") == "" || resp.Header.Get("RateLimit-Policy") == "" {
+					t.Errorf("429 without Retry-After, RateLimit or RateLimit-Policy: %v", resp.Header)
+				}
+			default:
+				t.Errorf("%s: status %d", path, resp.StatusCode)
+			}
+		}
+		return ok
+	}
+
+	t.Run("when the rendered enforcer runs then traffic is limited exactly", func(t *testing.T) {
+		if got := passes("/open/a", "alice", 8); got != 5 {
+			t.Errorf("%d of 8 passed, want exactly the limit of 5", got)
+		}
+		if got := passes("/closed/a", "alice", 6); got != 3 {
+			t.Errorf("%d of 6 passed, want exactly the limit of 3", got)
+		}
+	})
+
+	t.Run("when the limit changes then it is enforced within 2 seconds", func(t *testing.T) {
+		updated := time.Now()
+		update(t, k8s, key, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].FixedWindow.Limit = 7 })
+		for i := 0; ; i++ {
+			resp := send("/open/probe", fmt.Sprintf("probe-%d", i))
+			if strings.Contains(resp.Header.Get("RateLimit-Policy"), `"open";q=7;`) {
+				break
+			}
+			if time.Since(updated) > 2*time.Second {
+				t.Fatalf("the new limit was not enforced within 2s; RateLimit-Policy: %s", resp.Header.Get("RateLimit-Policy"))
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		t.Logf("the new limit was enforced %v after the update", time.Since(updated).Round(time.Millisecond))
+		if got := passes("/open/b", "bob", 9); got != 7 {
+			t.Errorf("%d of 9 passed, want exactly the new limit of 7", got)
+		}
+	})
+
+	t.Run("when an update is invalid then the webhook rejects it and the old limit holds", func(t *testing.T) {
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			p := &v1alpha1.RateLimitPolicy{}
+			if err := k8s.Get(ctx, key, p); err != nil {
+				return err
+			}
+			p.Spec.Rules[0].Match.Path = &v1alpha1.PathMatch{Type: v1alpha1.PathMatchRegularExpression, Value: "/open/(["}
+			return k8s.Update(ctx, p)
+		})
+		testenv.RequireInvalid(t, err, "spec.rules[0].match.path.value", "must be a valid RE2 regular expression")
+		time.Sleep(500 * time.Millisecond) // more than two reloads
+		if got := passes("/open/c", "carol", 9); got != 7 {
+			t.Errorf("%d of 9 passed, want the old limit of 7", got)
+		}
+	})
+
+	t.Run("when Redis dies then fail-open rules pass and fail-closed rules refuse", func(t *testing.T) {
+		redis.Kill()
+		for i := range 5 {
+			if resp := send("/open/d", "dave"); resp.StatusCode != http.StatusOK {
+				t.Errorf("fail-open request %d: status %d, want 200", i, resp.StatusCode)
+			}
+			if resp := send("/closed/d", "dave"); resp.StatusCode != http.StatusServiceUnavailable {
+				t.Errorf("fail-closed request %d: status %d, want 503", i, resp.StatusCode)
+			}
+		}
+	})
+
+	t.Run("when Redis comes back then rules are decided again", func(t *testing.T) {
+		if err := redis.Start(); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 5*time.Second, func() error {
+			if resp := send("/closed/probe", "recovery"); resp.StatusCode != http.StatusOK {
+				return fmt.Errorf("status %d", resp.StatusCode)
+			}
+			return nil
+		})
+		if got := passes("/closed/e", "erin", 5); got != 3 {
+			t.Errorf("%d of 5 passed, want exactly the limit of 3", got)
+		}
+	})
+
+	t.Run("when the policy is deleted then every owned object is left to the garbage collector", func(t *testing.T) {
+		if err := k8s.Get(ctx, key, policy); err != nil {
+			t.Fatal(err)
+		}
+		name := types.NamespacedName{Namespace: ns.Name, Name: "sluice-api"}
+		owned := []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}}
+		for _, o := range owned {
+			if err := k8s.Get(ctx, name, o); err != nil {
+				t.Fatal(err)
+			}
+			ref := metav1.GetControllerOf(o)
+			if ref == nil || ref.UID != policy.UID || ref.BlockOwnerDeletion == nil || !*ref.BlockOwnerDeletion {
+				t.Errorf("%T %s: controller reference %+v, want the policy %s blocking owner deletion", o, name, ref, policy.UID)
+			}
+		}
+		if err := k8s.Delete(ctx, policy); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, func() error {
+			if err := k8s.Get(ctx, key, &v1alpha1.RateLimitPolicy{}); !apierrors.IsNotFound(err) {
+				return fmt.Errorf("policy still there: %v", err)
+			}
+			return nil
+		})
+	})
+}
+
+func update(t *testing.T, k8s client.Client, key types.NamespacedName, change func(*v1alpha1.RateLimitPolicy)) {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		p := &v1alpha1.RateLimitPolicy{}
+		if err := k8s.Get(context.Background(), key, p); err != nil {
+			return err
+		}
+		change(p)
+		return k8s.Update(context.Background(), p)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func waitFor(t *testing.T, timeout time.Duration, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %v", timeout, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// processLog keeps the processes' output; the test prints it when it fails.
+type processLog struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *processLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func newProcessLog(t *testing.T) *processLog {
+	l := &processLog{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			t.Logf("manager and enforcer output:\n%s", l.buf.String())
+		}
+	})
+	return l
+}
