@@ -56,6 +56,13 @@ verify: generate manifests ## Regenerate everything, fail if anything generated 
 		echo "$$drift"; git --no-pager diff --stat -- api config; exit 1; \
 	fi
 
+##@ Run
+
+.PHONY: demo
+demo: redis-server ## Run Sluice on this machine, no cluster needed: control plane, Redis, manager, a policy, an enforcer, traffic.
+	go build -o bin/sluice-demo ./hack/demo
+	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" bin/sluice-demo
+
 ##@ Test
 
 .PHONY: redis-server
@@ -80,6 +87,16 @@ bench: redis-server ## Run the Go benchmarks.
 build: ## Build bin/manager and bin/enforcer.
 	go build -o bin/manager ./cmd/manager
 	go build -o bin/enforcer ./cmd/enforcer
+
+.PHONY: docker-build
+docker-build: ## Build the images IMG (manager) and ENFORCER_IMG from the Dockerfile.
+	docker build --target manager -t $(IMG) .
+	docker build --target enforcer -t $(ENFORCER_IMG) .
+
+.PHONY: docker-push
+docker-push: ## Push the images IMG and ENFORCER_IMG.
+	docker push $(IMG)
+	docker push $(ENFORCER_IMG)
 
 .PHONY: run
 run: ## Run the manager against the cluster of the current kubeconfig.

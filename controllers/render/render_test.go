@@ -25,8 +25,15 @@ func readSample(t *testing.T, name string) *v1alpha1.RateLimitPolicy {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A sample may carry other objects, such as the Service it fronts.
+	doc := string(data)
+	for _, d := range strings.Split(doc, "\n---\n") {
+		if strings.Contains(d, "\nkind: RateLimitPolicy\n") {
+			doc = d
+		}
+	}
 	p := &v1alpha1.RateLimitPolicy{}
-	if err := yaml.UnmarshalStrict(data, p); err != nil {
+	if err := yaml.UnmarshalStrict([]byte(doc), p); err != nil {
 		t.Fatal(err)
 	}
 	p.Namespace, p.UID = "shop", "0f0e0d0c-0b0a-0908-0706-050403020100"

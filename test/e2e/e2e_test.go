@@ -113,7 +113,8 @@ func TestEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(enforcer.Stop)
-	send := func(path, client string) *http.Response {
+	// send makes one request and returns its status and header; the body is read and closed.
+	send := func(path, client string) reply {
 		t.Helper()
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, enforcer.ProxyURL+path, nil)
 		req.Header.Set("X-Client", client)
@@ -122,7 +123,7 @@ func TestEndToEnd(t *testing.T) {
 			t.Fatal(err)
 		}
 		_ = resp.Body.Close()
-		return resp
+		return reply{resp.StatusCode, resp.Header}
 	}
 	// passes sends n requests for one client and counts those that reach the upstream.
 	passes := func(path, client string, n int) int {
@@ -234,11 +235,16 @@ func TestEndToEnd(t *testing.T) {
 		}
 		waitFor(t, 10*time.Second, func() error {
 			if err := k8s.Get(ctx, key, &v1alpha1.RateLimitPolicy{}); !apierrors.IsNotFound(err) {
-				return fmt.Errorf("policy still there: %v", err)
+				return fmt.Errorf("policy still there: %w", err)
 			}
 			return nil
 		})
 	})
+}
+
+type reply struct {
+	StatusCode int
+	Header     http.Header
 }
 
 func update(t *testing.T, k8s client.Client, key types.NamespacedName, change func(*v1alpha1.RateLimitPolicy)) {

@@ -59,7 +59,9 @@ type Process struct {
 func Start(name string, log io.Writer, bin string, args ...string) (*Process, error) {
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = log, log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Its own process group keeps a Ctrl-C for the caller from reaching it first; it dies with
+	// the caller.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
@@ -115,7 +117,7 @@ func waitHTTP(p *Process, url string, timeout time.Duration) error {
 			err = fmt.Errorf("%s answered %s", url, resp.Status)
 		}
 		if p.Exited() {
-			return fmt.Errorf("%s exited: %v", p.Name, p.err)
+			return fmt.Errorf("%s exited: %w", p.Name, p.err)
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("%s not ready after %v: %w", p.Name, timeout, err)

@@ -3,6 +3,7 @@ package testenv
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -17,9 +18,18 @@ import (
 // ReadObjects decodes every YAML document of a file.
 func ReadObjects(t testing.TB, path string) []*unstructured.Unstructured {
 	t.Helper()
-	f, err := os.Open(path)
+	objs, err := DecodeFile(path)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return objs
+}
+
+// DecodeFile decodes every YAML document of a file.
+func DecodeFile(path string) ([]*unstructured.Unstructured, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
 	}
 	defer func() { _ = f.Close() }()
 	var objs []*unstructured.Unstructured
@@ -28,9 +38,9 @@ func ReadObjects(t testing.TB, path string) []*unstructured.Unstructured {
 		u := &unstructured.Unstructured{}
 		if err := dec.Decode(&u.Object); err != nil {
 			if errors.Is(err, io.EOF) {
-				return objs
+				return objs, nil
 			}
-			t.Fatalf("decode %s: %v", path, err)
+			return nil, fmt.Errorf("decode %s: %w", path, err)
 		}
 		if len(u.Object) > 0 {
 			objs = append(objs, u)
