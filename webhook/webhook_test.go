@@ -193,11 +193,13 @@ func TestSamplesWhenCreatedThenAcceptedWithEveryDefaultStored(t *testing.T) {
 					continue
 				}
 				u.SetNamespace(ns)
+				var written v1alpha1.RateLimitPolicy
+				if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.DeepCopy().Object, &written); err != nil {
+					t.Fatal(err)
+				}
 				if err := k8s.Create(ctx, u); err != nil {
 					t.Fatalf("create %s: %v", u.GetName(), err)
 				}
-				var written v1alpha1.RateLimitPolicy
-				_ = runtime.DefaultUnstructuredConverter.FromUnstructured(testenv.ReadObjects(t, file)[0].Object, &written)
 				got := &v1alpha1.RateLimitPolicy{}
 				if err := k8s.Get(ctx, client.ObjectKeyFromObject(u), got); err != nil {
 					t.Fatal(err)
