@@ -29,6 +29,7 @@ trap cleanup EXIT
 UP=18180 NGINX_RL=18181 ENF_MEM=18182 ENF_REDIS=18183 CHECK=18184 REDIS=18185
 go build -o "$work/enforcer" ./cmd/enforcer
 go build -o "$work/loadgen" ./bench/loadgen
+go build -o "$work/ceiling" ./bench/ceiling
 
 mkdir -p "$work/logs"
 cat >"$work/nginx.conf" <<EOF
@@ -105,3 +106,14 @@ out=$(wrk -t2 -c50 -d"${secs}s" --latency -H 'X-Original-Method: GET' -H 'X-Orig
 after=$(calls)
 requests=$(echo "$out" | awk '/requests in/ {print $1}')
 echo "check API, Redis store, wrk -c50: $(echo "$out" | rate) decisions/s, p99 $(echo "$out" | p99), Redis scripts per request $(awk -v a="$after" -v b="$before" -v r="$requests" 'BEGIN {printf "%.3f\n", (a - b) / r}')"
+
+# What net/http allows on this machine, against the same upstream: the server alone, the leanest
+# HTTP/1.1 proxy, and httputil.ReverseProxy with http.Transport.
+CEIL=18186
+for mode in hello proxy reverseproxy; do
+	"$work/ceiling" -mode $mode -listen 127.0.0.1:$CEIL -upstream 127.0.0.1:$UP 2>/dev/null &
+	pid=$!
+	sleep 0.5
+	printf 'net/http ceiling, %-13s %12s req/s\n' "$mode" "$(wrk -t2 -c64 -d"${secs}s" "http://127.0.0.1:$CEIL/" | rate)"
+	kill $pid; wait $pid 2>/dev/null || true
+done

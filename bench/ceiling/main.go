@@ -1,0 +1,92 @@
+// Command ceiling measures what Go's net/http allows on this machine, to put the enforcer's proxy
+// numbers in context: run one mode, point wrk at -listen.
+//
+//	hello          a handler that answers 200 ok: the server alone
+//	proxy          the leanest HTTP/1.1 proxy: the server, and one pooled upstream connection
+//	               written and read by the handler's own goroutine
+//	reverseproxy   httputil.ReverseProxy with http.Transport (MaxIdleConnsPerHost 4096)
+//
+// It is a measuring tool, not a proxy: no hop-by-hop headers, bodies, upgrades or timeouts.
+package main
+
+import (
+	"bufio"
+	"flag"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+)
+
+type upstreamConn struct {
+	net.Conn
+	r *bufio.Reader
+	w *bufio.Writer
+}
+
+func main() {
+	mode := flag.String("mode", "hello", "hello, proxy or reverseproxy")
+	listen := flag.String("listen", "127.0.0.1:18290", "address to serve")
+	upstream := flag.String("upstream", "127.0.0.1:18180", "upstream host:port (proxy modes)")
+	flag.Parse()
+
+	var h http.Handler
+	switch *mode {
+	case "hello":
+		h = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	case "reverseproxy":
+		rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: *upstream})
+		rp.Transport = &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096}
+		h = rp
+	case "proxy":
+		idle := make(chan *upstreamConn, 4096)
+		h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var c *upstreamConn
+			select {
+			case c = <-idle:
+			default:
+				nc, err := net.Dial("tcp", *upstream)
+				if err != nil {
+					http.Error(w, err.Error(), http.StatusBadGateway)
+					return
+				}
+				c = &upstreamConn{Conn: nc, r: bufio.NewReader(nc), w: bufio.NewWriter(nc)}
+			}
+			out := r.Clone(r.Context())
+			out.RequestURI, out.URL.Scheme, out.URL.Host = "", "http", *upstream
+			err := out.Write(c.w)
+			if err == nil {
+				err = c.w.Flush()
+			}
+			var resp *http.Response
+			if err == nil {
+				resp, err = http.ReadResponse(c.r, out)
+			}
+			if err != nil {
+				_ = c.Close()
+				http.Error(w, err.Error(), http.StatusBadGateway)
+				return
+			}
+			for k, v := range resp.Header {
+				w.Header()[k] = v
+			}
+			w.WriteHeader(resp.StatusCode)
+			_, err = io.Copy(w, resp.Body)
+			_ = resp.Body.Close()
+			if err != nil {
+				_ = c.Close()
+				return
+			}
+			select {
+			case idle <- c:
+			default:
+				_ = c.Close()
+			}
+		})
+	default:
+		log.Fatalf("unknown mode %q", *mode)
+	}
+	log.Fatal(http.ListenAndServe(*listen, h)) //nolint:gosec // a benchmark on loopback
+}
