@@ -4,6 +4,7 @@ package redistest
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -23,10 +24,14 @@ import (
 // Server is one redis-server process.
 type Server struct {
 	Port int
-	dir  string
-	args []string
-	cmd  *exec.Cmd
-	done chan struct{}
+	// CAFile and TLS are set for a server that speaks only TLS: the PEM file that signs its
+	// certificate, and a client configuration that trusts it.
+	CAFile string
+	TLS    *tls.Config
+	dir    string
+	args   []string
+	cmd    *exec.Cmd
+	done   chan struct{}
 }
 
 // Addr is the server's loopback address.
@@ -44,9 +49,20 @@ func NewServer(t testing.TB) *Server {
 }
 
 // StartServer starts a standalone Redis. The caller stops it.
-func StartServer() (*Server, error) { return start(nil) }
+func StartServer() (*Server, error) { return start(false, standalone(nil)) }
 
-func start(extra []string) (*Server, error) {
+// standalone returns the arguments of a server on port, with extra appended.
+func standalone(extra []string) func(s *Server) ([]string, error) {
+	return func(s *Server) ([]string, error) {
+		return append([]string{
+			"--port", strconv.Itoa(s.Port), "--bind", "127.0.0.1", "--dir", s.dir,
+			"--save", "", "--appendonly", "no", "--logfile", filepath.Join(s.dir, "redis.log"),
+		}, extra...), nil
+	}
+}
+
+// start finds a free port and starts the server whose arguments args returns.
+func start(withBus bool, args func(s *Server) ([]string, error)) (*Server, error) {
 	if _, err := exec.LookPath("redis-server"); err != nil {
 		return nil, errors.New("redis-server is not on PATH: run 'make redis-server' or install Redis 7")
 	}
@@ -56,14 +72,14 @@ func start(extra []string) (*Server, error) {
 	}
 	var lastErr error
 	for range 5 {
-		port, err := freePort(extra != nil)
+		port, err := freePort(withBus)
 		if err != nil {
 			return nil, err
 		}
-		s := &Server{Port: port, dir: dir, args: append([]string{
-			"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--dir", dir,
-			"--save", "", "--appendonly", "no", "--logfile", filepath.Join(dir, "redis.log"),
-		}, extra...)}
+		s := &Server{Port: port, dir: dir}
+		if s.args, lastErr = args(s); lastErr != nil {
+			break
+		}
 		if lastErr = s.Start(); lastErr == nil {
 			return s, nil
 		}
@@ -83,7 +99,7 @@ func (s *Server) Start() error {
 	s.cmd, s.done = cmd, make(chan struct{})
 	go func(done chan struct{}) { _ = cmd.Wait(); close(done) }(s.done)
 
-	c := redis.NewClient(&redis.Options{Addr: s.Addr(), MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
+	c := redis.NewClient(&redis.Options{Addr: s.Addr(), TLSConfig: s.TLS, MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
 	defer func() { _ = c.Close() }()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
@@ -130,7 +146,7 @@ func (s *Server) Stop() {
 
 // Client returns a client of this server, closed when the test ends.
 func (s *Server) Client(t testing.TB) *redis.Client {
-	c := redis.NewClient(&redis.Options{Addr: s.Addr()})
+	c := redis.NewClient(&redis.Options{Addr: s.Addr(), TLSConfig: s.TLS})
 	t.Cleanup(func() { _ = c.Close() })
 	return c
 }
@@ -165,10 +181,10 @@ func NewCluster(t testing.TB, n int) *Cluster {
 func StartCluster(n int) (*Cluster, error) {
 	c := &Cluster{}
 	for range n {
-		s, err := start([]string{
+		s, err := start(true, standalone([]string{
 			"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
 			"--cluster-node-timeout", "5000",
-		})
+		}))
 		if err != nil {
 			c.Stop()
 			return nil, err

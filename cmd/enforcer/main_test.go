@@ -1,0 +1,90 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sluice-dev/sluice/enforcer/algorithm"
+	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/test/redistest"
+)
+
+// decide parses the flags, connects the Redis store they describe, and sends five requests against
+// a limit of three. It returns how many passed and the first error.
+func decide(t *testing.T, flags ...string) (int, error) {
+	t.Helper()
+	cfg, err := parse(append([]string{"--policy=unused.yaml", "--redis-timeout=500ms"}, flags...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Redis == nil {
+		t.Fatal("no Redis store configured")
+	}
+	s, err := store.NewRedis(*cfg.Redis)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 3, Period: time.Hour},
+		Cost: 1, Enforce: true, Tag: "ns/p:" + strings.ReplaceAll(t.Name(), "/", "-"), Rule: "r"}}
+	out := make([]algorithm.Decision, 1)
+	passed := 0
+	for range 5 {
+		ok, err := s.Decide(context.Background(), checks, out)
+		if err != nil {
+			return passed, err
+		}
+		if ok && out[0].Allowed {
+			passed++
+		}
+	}
+	return passed, nil
+}
+
+func TestRedisFlagsWhenRedisSpeaksTLSThenTheStoreVerifiesItsCertificate(t *testing.T) {
+	srv := redistest.NewTLSServer(t)
+	url := "--redis-url=redis://" + srv.Addr() + "/0"
+	cases := []struct {
+		name    string
+		flags   []string
+		wantErr string // "" for exact decisions, "any" for any error
+	}{
+		{"when the CA file signs the certificate then decisions are exact", []string{url, "--redis-ca-file=" + srv.CAFile}, ""},
+		{"when the server name is one the certificate holds then it is verified by that name",
+			[]string{url, "--redis-ca-file=" + srv.CAFile, "--redis-server-name=redis.test"}, ""},
+		{"when the server name is not in the certificate then nothing is decided",
+			[]string{url, "--redis-ca-file=" + srv.CAFile, "--redis-server-name=other.test"}, "certificate is valid for"},
+		{"when only the system roots are trusted then the self-signed certificate is refused",
+			[]string{url, "--redis-tls"}, "certificate"},
+		{"when TLS is off then the TLS-only server is not reached", []string{url}, "any"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			passed, err := decide(t, c.flags...)
+			switch {
+			case c.wantErr == "any":
+				if err == nil {
+					t.Fatal("a plain-TCP client decided against a TLS-only server")
+				}
+			case c.wantErr == "" && (err != nil || passed != 3):
+				t.Fatalf("passed %d of 5 with error %v, want exactly 3", passed, err)
+			case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
+				t.Fatalf("error %v, want one containing %q", err, c.wantErr)
+			}
+		})
+	}
+}
+
+func TestRedisFlagsWhenSentinelThenDecisionsGoToTheMasterItNames(t *testing.T) {
+	master := redistest.NewServer(t)
+	sentinel := redistest.NewSentinel(t, master)
+	passed, err := decide(t, "--redis-sentinel="+sentinel.Addr(), "--redis-master="+redistest.SentinelMaster)
+	if err != nil || passed != 3 {
+		t.Fatalf("passed %d of 5 with error %v, want exactly 3", passed, err)
+	}
+	if n, err := master.Client(t).DBSize(context.Background()).Result(); err != nil || n != 1 {
+		t.Errorf("the master holds %d keys (error %v), want the one key of the rule", n, err)
+	}
+}
