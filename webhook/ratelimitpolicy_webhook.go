@@ -5,6 +5,7 @@ package webhook
 
 import (
 	"context"
+	"encoding/json"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -21,12 +22,29 @@ import (
 // +kubebuilder:webhook:path=/mutate-ratelimit-sluice-dev-v1alpha1-ratelimitpolicy,mutating=true,failurePolicy=fail,sideEffects=None,groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=create;update,versions=v1alpha1,name=mratelimitpolicy.sluice.dev,admissionReviewVersions=v1,timeoutSeconds=10
 // +kubebuilder:webhook:path=/validate-ratelimit-sluice-dev-v1alpha1-ratelimitpolicy,mutating=false,failurePolicy=fail,sideEffects=None,groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=create;update,versions=v1alpha1,name=vratelimitpolicy.sluice.dev,admissionReviewVersions=v1,timeoutSeconds=10
 
+// mutatePath is the path of the defaulting webhook, as the marker above says.
+const mutatePath = "/mutate-ratelimit-sluice-dev-v1alpha1-ratelimitpolicy"
+
 // Setup registers the defaulting and validating webhooks with the manager's webhook server.
 func Setup(mgr ctrl.Manager, defaults render.Defaults) error {
+	mutate := admission.WithDefaulter(mgr.GetScheme(), &Defaulter{Defaults: defaults})
+	mgr.GetWebhookServer().Register(mutatePath, &admission.Webhook{Handler: schemaFirst{mutate}})
 	return ctrl.NewWebhookManagedBy(mgr, &v1alpha1.RateLimitPolicy{}).
-		WithDefaulter(&Defaulter{Defaults: defaults}).
 		WithValidator(&Validator{}).
 		Complete()
+}
+
+// schemaFirst lets through, unchanged, an object that does not even decode as a policy (a string
+// where the schema wants a list, say). The API server checks the schema after the defaulting
+// webhook, and its message names every wrong field; a decoding error would name only the first,
+// in Go's terms.
+type schemaFirst struct{ admission.Handler }
+
+func (h schemaFirst) Handle(ctx context.Context, req admission.Request) admission.Response {
+	if err := json.Unmarshal(req.Object.Raw, &v1alpha1.RateLimitPolicy{}); err != nil {
+		return admission.Allowed("left to the schema: " + err.Error())
+	}
+	return h.Handler.Handle(ctx, req)
 }
 
 // Defaulter writes into the stored policy every value the controller would otherwise assume, so

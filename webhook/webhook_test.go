@@ -16,6 +16,7 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -313,6 +314,17 @@ func TestPolicyWhenUpdatedToSomethingInvalidThenRejectedAndTheOldSpecStays(t *te
 	if got.Spec.Rules[0].TokenBucket == nil || got.Spec.Rules[0].LeakyBucket != nil {
 		t.Errorf("stored rule = %+v, want the token bucket it had", got.Spec.Rules[0])
 	}
+}
+
+func TestPolicyWhenItDoesNotDecodeThenTheSchemaNamesEveryWrongField(t *testing.T) {
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "ratelimit.sluice.dev/v1alpha1", "kind": "RateLimitPolicy",
+		"metadata": map[string]any{"name": "malformed", "namespace": "default"},
+		"spec":     map[string]any{"targetRef": map[string]any{"name": "api", "port": "eighty"}, "rules": "all"},
+	}}
+	err := k8s.Create(context.Background(), u, client.DryRunAll)
+	testenv.RequireInvalid(t, err, "spec.targetRef.port", `must be of type integer`)
+	testenv.RequireInvalid(t, err, "spec.rules", `must be of type array`)
 }
 
 func TestWebhookConfigurationsWhenInstalledThenFailClosedOnCreateAndUpdateAndNeverSeeDeletes(t *testing.T) {
