@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"net"
 	"net/http"
@@ -30,16 +31,18 @@ import (
 const namespace = "default"
 
 func main() {
+	dir := flag.String("dir", filepath.Join(testenv.RepoRoot(), "bin", "demo"), "Directory for the kubeconfig, logs and the enforcer's files.")
+	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx); err != nil {
+	if err := run(ctx, *dir); err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context) error {
-	dir, err := filepath.Abs(filepath.Join(testenv.RepoRoot(), "bin", "demo"))
+func run(ctx context.Context, dir string) error {
+	dir, err := filepath.Abs(dir)
 	if err == nil {
 		err = os.MkdirAll(dir, 0o755)
 	}
@@ -47,7 +50,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	step("Building the manager and the enforcer")
-	managerBin, enforcerBin, err := local.Build(ctx, filepath.Join(testenv.RepoRoot(), "bin"))
+	managerBin, enforcerBin, err := local.Build(ctx, dir)
 	if err != nil {
 		return err
 	}
