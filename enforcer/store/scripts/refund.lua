@@ -11,6 +11,8 @@ local floor = math.floor
 local now = tonumber(ARGV[1])
 local id = ARGV[2]
 local function fmt(x) return string.format('%.17g', x) end
+-- The fixed window's packing, as in decide.lua.
+local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
 
 for i = 1, #KEYS do
   local b = 3 + (i - 1) * 4
@@ -25,9 +27,11 @@ for i = 1, #KEYS do
     end
   elseif kind == 3 then
     if v then
-      local w, n = string.match(v, '^(%S+) (%S+)$')
-      if tonumber(w) == floor(now / period) then
-        redis.call('SET', key, w .. ' ' .. fmt(math.max(0, tonumber(n) - cost)), 'KEEPTTL')
+      v = tonumber(v)
+      local w = floor(v / FW_SHIFT)
+      if w == floor(now / period) % FW_WINDOWS then
+        local n = v - w * FW_SHIFT
+        redis.call('SET', key, fmt(w * FW_SHIFT + math.max(0, n - cost)), 'KEEPTTL')
       end
     end
   elseif kind == 5 then
