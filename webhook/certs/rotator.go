@@ -93,26 +93,30 @@ func (r *Rotator) Ready(*http.Request) error {
 func (r *Rotator) NeedLeaderElection() bool { return false }
 
 // Start syncs at once and then every Interval until ctx ends. A failed sync is logged and
-// retried; the previous certificate keeps being served.
+// retried within seconds (the webhook configurations may not exist yet when the manager starts);
+// the previous certificate keeps being served.
 func (r *Rotator) Start(ctx context.Context) error {
 	log := logf.FromContext(ctx).WithName("certs")
 	interval := r.Interval
 	if interval <= 0 {
 		interval = time.Minute
 	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
 	for {
+		wait := interval
 		if err := r.Sync(ctx); err != nil {
 			log.Error(err, "Unable to sync the webhook certificate")
+			wait = min(interval, retryAfterError)
 		}
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-t.C:
+		case <-time.After(wait):
 		}
 	}
 }
+
+// retryAfterError is how soon a failed sync is tried again.
+const retryAfterError = 2 * time.Second
 
 // Sync makes the Secret hold a CA and a serving certificate that are not due for renewal, serves
 // that certificate, and puts the CA bundle into the webhook configurations.

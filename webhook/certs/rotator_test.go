@@ -148,3 +148,52 @@ func servedAndTrusted(ctx context.Context, k8s client.Client, addr, host string)
 	}
 	return cert, nil
 }
+
+func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFilledWithinSeconds(t *testing.T) {
+	env, err := testenv.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	k8s, _ := client.New(env.Config, client.Options{Scheme: scheme})
+	rotator := &certs.Rotator{
+		Client:             k8s,
+		Secret:             types.NamespacedName{Namespace: "default", Name: "sluice-webhook-certs"},
+		Hosts:              []string{"sluice-webhook-service.default.svc"},
+		MutatingWebhooks:   []string{"late-mutating"},
+		ValidatingWebhooks: []string{"late-validating"},
+		Interval:           time.Hour, // only the retry after an error can fill them in time
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go func() { _ = rotator.Start(ctx) }()
+	time.Sleep(time.Second) // the first sync finds no configurations
+
+	none := admissionregistrationv1.SideEffectClassNone
+	url := "https://127.0.0.1:1/never"
+	hook := admissionregistrationv1.WebhookClientConfig{URL: &url}
+	if err := k8s.Create(ctx, &admissionregistrationv1.MutatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: "late-mutating"},
+		Webhooks: []admissionregistrationv1.MutatingWebhook{{Name: "m.sluice.dev", ClientConfig: hook, SideEffects: &none, AdmissionReviewVersions: []string{"v1"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Create(ctx, &admissionregistrationv1.ValidatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: "late-validating"},
+		Webhooks: []admissionregistrationv1.ValidatingWebhook{{Name: "v.sluice.dev", ClientConfig: hook, SideEffects: &none, AdmissionReviewVersions: []string{"v1"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var m admissionregistrationv1.MutatingWebhookConfiguration
+		var v admissionregistrationv1.ValidatingWebhookConfiguration
+		errM := k8s.Get(ctx, client.ObjectKey{Name: "late-mutating"}, &m)
+		errV := k8s.Get(ctx, client.ObjectKey{Name: "late-validating"}, &v)
+		if errM == nil && errV == nil && len(m.Webhooks[0].ClientConfig.CABundle) > 0 && len(v.Webhooks[0].ClientConfig.CABundle) > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the caBundle was not filled within 10s of the configurations appearing")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
