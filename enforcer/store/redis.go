@@ -50,11 +50,15 @@ type RedisOptions struct {
 	Timeout time.Duration
 	// PoolSize is the number of connections per node. Default go-redis's (10 per CPU).
 	PoolSize int
+	// Pipelines is how many pipelines of concurrent decisions may be in flight at once, on
+	// Standalone and Sentinel (see batcher). Default 4; negative sends every decision on its own.
+	Pipelines int
 }
 
 // Redis is the store for many enforcer replicas. Each decision is one Lua script per hash tag:
 // on a standalone or Sentinel Redis every key lives on one server, so a decision is exactly one
-// script call and one round trip, whatever the number of rules. On a Cluster, rules with the
+// script call in at most one round trip, whatever the number of rules; concurrent decisions share
+// pipelines (see batcher). On a Cluster, rules with the
 // same client key share a tag and are decided by one script; rules with different client keys
 // are decided by one script per tag, and when any of them refuses, a refund script gives back
 // what the others charged. See docs/guarantees.md.
@@ -69,6 +73,8 @@ type Redis struct {
 	seq     atomic.Uint64
 	// clock, when set by tests, replaces Redis TIME. Production leaves it nil.
 	clock func() time.Time
+	// batch pipelines decisions; nil on a Cluster, where every tag may live on another node.
+	batch *batcher
 }
 
 // NewRedis connects to Redis. It does not wait for Redis to answer: decisions fail until it does.
@@ -116,19 +122,31 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	return &Redis{
+	s := &Redis{
 		client:  client,
 		cluster: opts.Mode == Cluster,
 		timeout: opts.Timeout,
 		idBase:  hex.EncodeToString(b[:]) + ".",
-	}, nil
+	}
+	if opts.Pipelines == 0 {
+		opts.Pipelines = 4
+	}
+	if !s.cluster && opts.Pipelines > 0 {
+		s.batch = newBatcher(client, decideScript, opts.Pipelines, opts.Timeout)
+	}
+	return s, nil
 }
 
 // Client is the underlying client, for health checks.
 func (s *Redis) Client() redis.UniversalClient { return s.client }
 
-// Close closes the connections.
-func (s *Redis) Close() error { return s.client.Close() }
+// Close stops sending decisions and closes the connections.
+func (s *Redis) Close() error {
+	if s.batch != nil {
+		s.batch.close()
+	}
+	return s.client.Close()
+}
 
 // Decide implements Store.
 func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
@@ -219,7 +237,13 @@ func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string,
 		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
 			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce)
 	}
-	reply, err := decideScript.Run(ctx, s.client, keys, args...).Result()
+	var reply any
+	var err error
+	if s.batch != nil {
+		reply, err = s.batch.run(ctx, keys, args)
+	} else {
+		reply, err = decideScript.Run(ctx, s.client, keys, args...).Result()
+	}
 	if err != nil {
 		return false, 0, fmt.Errorf("run the decide script: %w", err)
 	}

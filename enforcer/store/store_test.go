@@ -479,6 +479,47 @@ func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {
 	}
 }
 
+// Concurrent decisions share pipelines: fewer round trips than decisions, and still exactly one
+// script each, never a duplicate, with the limit exact.
+func TestRedisWhenDecisionsAreConcurrentThenTheySharePipelinesAndEachRunsOneScript(t *testing.T) {
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil).(*store.Redis)
+	admin := standalone.Client(t)
+	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 1000, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}}
+	if _, err := s.Decide(context.Background(), checks, make([]algorithm.Decision, 1)); err != nil { // loads the script
+		t.Fatal(err)
+	}
+	var trips, allowed atomic.Int64
+	s.Client().AddHook(countHook{&trips})
+	before := scriptCalls(t, admin)
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			out := make([]algorithm.Decision, 1)
+			for range 25 {
+				ok, err := s.Decide(context.Background(), checks, out)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if ok && out[0].Allowed {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if scripts := scriptCalls(t, admin) - before; scripts != 1600 {
+		t.Errorf("%d scripts for 1,600 decisions, want exactly one each", scripts)
+	}
+	if allowed.Load() != 999 {
+		t.Errorf("%d allowed, want 999: the limit of 1,000 less the first decision", allowed.Load())
+	}
+	if trips.Load() >= 1600 {
+		t.Errorf("%d round trips for 1,600 concurrent decisions, want them to share pipelines", trips.Load())
+	}
+	t.Logf("%d round trips for 1,600 decisions", trips.Load())
+}
+
 func TestDecodeWhenReplyIsUnexpectedThenErrorNotPanic(t *testing.T) {
 	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 5}}}
 	out := make([]algorithm.Decision, 1)
