@@ -714,3 +714,20 @@ func TestProxyWhenClientLeavesWhileQueuedThenReleasedAndNotForwarded(t *testing.
 		t.Errorf("upstream saw %d requests, want 1: the abandoned one must not be forwarded", up.hits.Load())
 	}
 }
+
+func TestAdminWhenPprofIsOnThenProfilesAreServedAndOtherwiseNot(t *testing.T) {
+	doc := policyDoc("pprof", `    - name: all
+      fixedWindow: {limit: 10, window: 1s}
+`)
+	off := start(t, doc, nil, nil)
+	if got := get(t, off.admin+"/debug/pprof/").StatusCode; got != http.StatusNotFound {
+		t.Errorf("without --pprof: /debug/pprof/ answers %d, want 404", got)
+	}
+	on := start(t, doc, nil, nil, func(c *enforcer.Config) { c.Pprof = true })
+	if got := get(t, on.admin+"/debug/pprof/").StatusCode; got != http.StatusOK {
+		t.Errorf("with --pprof: /debug/pprof/ answers %d, want 200", got)
+	}
+	if got := get(t, on.check+"/debug/pprof/").StatusCode; got == http.StatusOK {
+		t.Error("profiles are served on the check API; want them on the admin address only")
+	}
+}

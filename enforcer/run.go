@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"net/url"
 	"os"
 	"sync"
@@ -38,7 +39,9 @@ type Config struct {
 	MemoryMaxKeys int
 	// ShutdownTimeout bounds the drain of in-flight requests at shutdown.
 	ShutdownTimeout time.Duration
-	Log             logr.Logger
+	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
+	Pprof bool
+	Log   logr.Logger
 }
 
 // Enforcer is a running enforcer.
@@ -102,6 +105,13 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	admin.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	admin.HandleFunc("/healthz", ready)
 	admin.HandleFunc("/readyz", ready)
+	if cfg.Pprof {
+		admin.HandleFunc("/debug/pprof/", pprof.Index)
+		admin.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		admin.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		admin.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		admin.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	}
 
 	var transport http.RoundTripper = &http.Transport{
 		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,

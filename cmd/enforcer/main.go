@@ -72,6 +72,7 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.DurationVar(&timeout, "redis-timeout", 50*time.Millisecond, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain at shutdown.")
+	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
