@@ -300,3 +300,56 @@ func newProcessLog(t *testing.T) *processLog {
 	})
 	return l
 }
+
+// With cert-manager, the manager serves the certificate it finds in a directory (the mounted
+// Secret) and leaves the caBundle to cert-manager's injector. Here envtest plays cert-manager: it
+// wrote a certificate into a directory and its CA into the webhook configurations.
+func TestManagerWhenCertificatesComeFromADirectoryThenTheWebhookServesThem(t *testing.T) {
+	ctx := context.Background()
+	env, err := testenv.Start(testenv.WithWebhooks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	data, err := env.Kubeconfig()
+	if err == nil {
+		err = os.WriteFile(kubeconfig, data, 0o600)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	managerBin, _, err := local.Build(ctx, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := newProcessLog(t)
+	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logs,
+		"--webhook-cert-dir="+env.Webhook.LocalServingCertDir, "--enforcer-image=sluice-enforcer:from-dir")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mgr.Stop)
+
+	p := &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "from-dir"},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+			Rules:     []v1alpha1.Rule{{Name: "all", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyRemoteAddress}}, FixedWindow: &v1alpha1.Window{Limit: 1, Window: "1s"}}},
+		},
+	}
+	if err := env.Client.Create(ctx, p, client.DryRunAll); err != nil {
+		t.Fatal(err)
+	}
+	if p.Spec.Enforcer == nil || p.Spec.Enforcer.Image != "sluice-enforcer:from-dir" {
+		t.Errorf("enforcer = %+v; want the defaulting webhook to have set the manager's image", p.Spec.Enforcer)
+	}
+	var secrets corev1.SecretList
+	if err := env.Client.List(ctx, &secrets, client.InNamespace(local.Namespace)); err != nil {
+		t.Fatal(err)
+	}
+	if len(secrets.Items) != 0 {
+		t.Errorf("the manager made %d Secrets; with a certificate directory it must make none", len(secrets.Items))
+	}
+}
