@@ -95,7 +95,7 @@ func (d *Defaulter) Default(_ context.Context, p *v1alpha1.RateLimitPolicy) erro
 				m.Image = d.Defaults.RedisImage
 			}
 			if m.MaxMemory == nil {
-				m.MaxMemory = ptr.To(resource.MustParse("256Mi"))
+				m.MaxMemory = ptr.To(resource.MustParse(v1alpha1.DefaultManagedRedisMaxMemory))
 			}
 		}
 	}

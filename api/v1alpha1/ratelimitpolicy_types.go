@@ -453,6 +453,10 @@ type RedisStorage struct {
 // DefaultRedisTimeout is the timeout of storage.redis when it sets none.
 const DefaultRedisTimeout Duration = "50ms"
 
+// DefaultManagedRedisMaxMemory is the maxMemory of storage.managedRedis when it sets none; the
+// schema's default says the same.
+const DefaultManagedRedisMaxMemory = "256Mi"
+
 // RedisMode is a Redis topology.
 //
 // +kubebuilder:validation:Enum=Standalone;Sentinel;Cluster

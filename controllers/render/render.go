@@ -296,7 +296,7 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 	if m.Image != "" {
 		image = m.Image
 	}
-	maxMemory := resource.MustParse("256Mi")
+	maxMemory := resource.MustParse(v1alpha1.DefaultManagedRedisMaxMemory)
 	if m.MaxMemory != nil {
 		maxMemory = *m.MaxMemory
 	}
