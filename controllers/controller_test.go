@@ -36,6 +36,7 @@ import (
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/test/redistest"
 	"github.com/sluice-dev/sluice/test/testenv"
 )
 
@@ -77,6 +78,15 @@ func TestMain(m *testing.M) {
 		Client: mgrClient, Scheme: scheme, Recorder: mgr.GetEventRecorder("sluice"),
 		Defaults: render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
 		Workers:  4,
+		// The policies of these tests name redis.example, which no test can reach; only the
+		// Redis servers the tests start are probed for real.
+		ProbeRedis: func(ctx context.Context, addrs []string) error {
+			if strings.HasPrefix(addrs[0], "redis.example:") {
+				return nil
+			}
+			return controllers.DialRedis(ctx, addrs)
+		},
+		ProbeInterval: 300 * time.Millisecond,
 	}
 	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -451,6 +461,28 @@ func TestReconcileWhenTargetServiceIsMissingThenDegradedUntilItAppears(t *testin
 	}
 	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionTrue, v1alpha1.ReasonTargetNotFound)
 	targetService(t, ns, "not-yet")
+	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
+}
+
+func TestReconcileWhenRedisStopsAnsweringThenDegradedUntilItIsBack(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t)
+	srv := redistest.NewServer(t)
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "redis-down", "api")
+	p.Spec.Storage.Redis.Addresses = []v1alpha1.HostPort{v1alpha1.HostPort(srv.Addr())}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
+	srv.Kill()
+	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionTrue, v1alpha1.ReasonRedisUnreachable)
+	if msg := condition(t, p, v1alpha1.ConditionDegraded).Message; !strings.Contains(msg, srv.Addr()) || !strings.Contains(msg, "failureMode") {
+		t.Errorf("message %q; want the address and what the rules do meanwhile", msg)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
 	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
 }
 

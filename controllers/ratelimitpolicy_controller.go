@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -50,6 +51,11 @@ type RateLimitPolicyReconciler struct {
 	Defaults render.Defaults
 	// Workers is the number of policies reconciled at once. Default 4.
 	Workers int
+	// ProbeRedis, when set, checks every ProbeInterval that the Redis of storage.redis answers,
+	// and reports Degraded RedisUnreachable when it does not.
+	ProbeRedis RedisProbe
+	// ProbeInterval is how often a policy's Redis is probed. Default 1 minute.
+	ProbeInterval time.Duration
 }
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
@@ -101,7 +107,22 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	target := &corev1.Service{}
 	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
 	obs.targetMissing = apierrors.IsNotFound(err)
-	return ctrl.Result{}, client.IgnoreNotFound(err)
+	if err := client.IgnoreNotFound(err); err != nil {
+		return ctrl.Result{}, err
+	}
+	// Redis can fail with nothing in the cluster changing: look again on a clock.
+	var probed bool
+	if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
+		return ctrl.Result{RequeueAfter: r.probeInterval()}, nil
+	}
+	return ctrl.Result{}, nil
+}
+
+func (r *RateLimitPolicyReconciler) probeInterval() time.Duration {
+	if r.ProbeInterval > 0 {
+		return r.ProbeInterval
+	}
+	return time.Minute
 }
 
 // olderPolicyOnTarget returns the name of a policy that claimed the same Service first: created

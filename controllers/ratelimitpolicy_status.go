@@ -27,6 +27,8 @@ type observation struct {
 	deployment *appsv1.Deployment
 	// targetMissing is true when the target Service does not exist.
 	targetMissing bool
+	// redisUnreachable says why the Redis of storage.redis did not answer a probe.
+	redisUnreachable string
 }
 
 // computeStatus derives the status from an observation. Conditions keep their transition time
@@ -69,9 +71,12 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 	set(v1alpha1.ConditionReady, ready, reason, msg)
 	set(v1alpha1.ConditionReconciling, accepted && !ready, reason, msg)
 
-	if obs.targetMissing {
+	switch {
+	case obs.targetMissing:
 		set(v1alpha1.ConditionDegraded, true, v1alpha1.ReasonTargetNotFound, "Service "+p.Spec.TargetRef.Name+" does not exist: the enforcer has nothing to forward to")
-	} else {
+	case obs.redisUnreachable != "":
+		set(v1alpha1.ConditionDegraded, true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable)
+	default:
 		set(v1alpha1.ConditionDegraded, false, v1alpha1.ReasonAsExpected, "")
 	}
 

@@ -40,6 +40,7 @@ func main() {
 		qps                    float64
 		burst                  int
 		wh                     webhookFlags
+		probeInterval          time.Duration
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
@@ -49,6 +50,8 @@ func main() {
 	flag.IntVar(&workers, "workers", 4, "Policies reconciled at once.")
 	flag.Float64Var(&qps, "kube-api-qps", 50, "Requests per second the manager may send to the API server.")
 	flag.IntVar(&burst, "kube-api-burst", 100, "Burst of requests the manager may send to the API server.")
+	flag.DurationVar(&probeInterval, "redis-probe-interval", time.Minute, "How often the manager checks that each policy's storage.redis accepts connections "+
+		"and reports Degraded RedisUnreachable when not; 0 disables the probe.")
 	wh.bind(flag.CommandLine)
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
@@ -80,13 +83,18 @@ func main() {
 		os.Exit(1)
 	}
 	ctx := ctrl.SetupSignalHandler()
-	if err := (&controllers.RateLimitPolicyReconciler{
-		Client:   mgr.GetClient(),
-		Scheme:   mgr.GetScheme(),
-		Recorder: mgr.GetEventRecorder("sluice"),
-		Defaults: defaults,
-		Workers:  workers,
-	}).SetupWithManager(ctx, mgr); err != nil {
+	reconciler := &controllers.RateLimitPolicyReconciler{
+		Client:        mgr.GetClient(),
+		Scheme:        mgr.GetScheme(),
+		Recorder:      mgr.GetEventRecorder("sluice"),
+		Defaults:      defaults,
+		Workers:       workers,
+		ProbeInterval: probeInterval,
+	}
+	if probeInterval > 0 {
+		reconciler.ProbeRedis = controllers.DialRedis
+	}
+	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
 		log.Error(err, "Unable to set up the RateLimitPolicy controller")
 		os.Exit(1)
 	}

@@ -1,0 +1,50 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+)
+
+// RedisProbe reports whether any of a Redis's addresses accepts a connection.
+type RedisProbe func(ctx context.Context, addrs []string) error
+
+// DialRedis is the RedisProbe of the manager: a TCP connection to any address, within 2 seconds.
+// It sees Redis from the manager's network position, not the enforcers'; it cannot tell a wrong
+// password, which the enforcers' sluice_store_errors_total shows.
+func DialRedis(ctx context.Context, addrs []string) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	var d net.Dialer
+	var errs []error
+	for _, a := range addrs {
+		c, err := d.DialContext(ctx, "tcp", a)
+		if err == nil {
+			return c.Close()
+		}
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// probeRedis probes the Redis a policy names in storage.redis, and returns why it is unreachable,
+// or "". A managed Redis is watched through its Deployment instead.
+func (r *RateLimitPolicyReconciler) probeRedis(ctx context.Context, p *v1alpha1.RateLimitPolicy) (string, bool) {
+	if r.ProbeRedis == nil || p.Spec.Storage == nil || p.Spec.Storage.Redis == nil {
+		return "", false
+	}
+	addrs := make([]string, len(p.Spec.Storage.Redis.Addresses))
+	for i, a := range p.Spec.Storage.Redis.Addresses {
+		addrs[i] = string(a)
+	}
+	if err := r.ProbeRedis(ctx, addrs); err != nil {
+		return fmt.Sprintf("the manager cannot reach Redis at %s: %v; while the enforcers cannot either, each rule applies its failureMode",
+			strings.Join(addrs, ", "), err), true
+	}
+	return "", true
+}
