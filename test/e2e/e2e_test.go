@@ -55,7 +55,7 @@ func TestEndToEnd(t *testing.T) {
 	}
 	redis := redistest.NewServer(t)
 	logs := newProcessLog(t)
-	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e")
+	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e", "--redis-probe-interval=300ms")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -198,6 +198,7 @@ func TestEndToEnd(t *testing.T) {
 				t.Errorf("fail-closed request %d: status %d, want 503", i, resp.StatusCode)
 			}
 		}
+		waitDegraded(t, k8s, key, metav1.ConditionTrue, v1alpha1.ReasonRedisUnreachable)
 	})
 
 	t.Run("when Redis comes back then rules are decided again", func(t *testing.T) {
@@ -213,6 +214,7 @@ func TestEndToEnd(t *testing.T) {
 		if got := passes("/closed/e", "erin", 5); got != 3 {
 			t.Errorf("%d of 5 passed, want exactly the limit of 3", got)
 		}
+		waitDegraded(t, k8s, key, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
 	})
 
 	t.Run("when the policy is deleted then every owned object is left to the garbage collector", func(t *testing.T) {
@@ -239,6 +241,22 @@ func TestEndToEnd(t *testing.T) {
 			}
 			return nil
 		})
+	})
+}
+
+// waitDegraded waits until the policy's status says what the manager's Redis probe saw.
+func waitDegraded(t *testing.T, k8s client.Client, key types.NamespacedName, want metav1.ConditionStatus, reason string) {
+	t.Helper()
+	waitFor(t, 10*time.Second, func() error {
+		p := &v1alpha1.RateLimitPolicy{}
+		if err := k8s.Get(context.Background(), key, p); err != nil {
+			return err
+		}
+		c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionDegraded)
+		if c == nil || c.Status != want || c.Reason != reason {
+			return fmt.Errorf("Degraded = %+v, want %s %s", c, want, reason)
+		}
+		return nil
 	})
 }
 
