@@ -103,15 +103,6 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func namespace(t *testing.T) string {
-	t.Helper()
-	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "ctrl-"}}
-	if err := k8s.Create(context.Background(), ns); err != nil {
-		t.Fatal(err)
-	}
-	return ns.Name
-}
-
 func targetService(t *testing.T, ns, name string) {
 	t.Helper()
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
@@ -221,7 +212,7 @@ func playDeploymentController(t *testing.T, d *appsv1.Deployment) {
 
 func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFollowsRollout(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
 	p := newPolicy(ns, "api-limits", "api")
 	if err := k8s.Create(ctx, p); err != nil {
@@ -276,7 +267,7 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 // sent, and no object's resourceVersion moves on the API server.
 func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
 	p := newPolicy(ns, "steady", "api")
 	if err := k8s.Create(ctx, p); err != nil {
@@ -351,7 +342,7 @@ func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
 
 func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
 	p := newPolicy(ns, "change", "api")
 	if err := k8s.Create(ctx, p); err != nil {
@@ -398,7 +389,7 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 // accepted, with the reason, and nothing is deployed for it.
 func TestReconcileWhenSpecIsInvalidThenNotAcceptedAndStalled(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	p := newPolicy(ns, "invalid", "api")
 	p.Spec.Rules[0] = v1alpha1.Rule{Name: "huge", SlidingLog: &v1alpha1.Window{Limit: 50_000, Window: "1h"}}
 	if err := k8s.Create(ctx, p); err != nil {
@@ -418,7 +409,7 @@ func TestReconcileWhenSpecIsInvalidThenNotAcceptedAndStalled(t *testing.T) {
 
 func TestReconcileWhenTwoPoliciesTargetOneServiceThenTheLaterIsConflicted(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
 	first := newPolicy(ns, "first", "api")
 	if err := k8s.Create(ctx, first); err != nil {
@@ -454,7 +445,7 @@ func TestReconcileWhenTwoPoliciesTargetOneServiceThenTheLaterIsConflicted(t *tes
 
 func TestReconcileWhenTargetServiceIsMissingThenDegradedUntilItAppears(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	p := newPolicy(ns, "orphan", "not-yet")
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
@@ -466,7 +457,7 @@ func TestReconcileWhenTargetServiceIsMissingThenDegradedUntilItAppears(t *testin
 
 func TestReconcileWhenRedisStopsAnsweringThenDegradedUntilItIsBack(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	srv := redistest.NewServer(t)
 	targetService(t, ns, "api")
 	p := newPolicy(ns, "redis-down", "api")
@@ -490,7 +481,7 @@ func TestReconcileWhenRedisStopsAnsweringThenDegradedUntilItIsBack(t *testing.T)
 // would follow, the owned objects' controller references to the deleted policy's UID.
 func TestReconcileWhenPolicyIsDeletedThenOwnedObjectsPointToItForGarbageCollection(t *testing.T) {
 	ctx := context.Background()
-	ns := namespace(t)
+	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
 	p := newPolicy(ns, "doomed", "api")
 	p.Spec.Enforcer = nil

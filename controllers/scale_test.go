@@ -15,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/test/testenv"
 )
 
 // BenchmarkThousandPoliciesReachProgrammed creates 1,000 policies at once and measures the time
@@ -27,9 +28,8 @@ func BenchmarkThousandPoliciesReachProgrammed(b *testing.B) {
 	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
 		n = v
 	}
-	t := &testing.T{}
 	for b.Loop() {
-		ns := namespace(t)
+		ns := testenv.Namespace(b, k8s, "scale")
 		var peakHeap uint64
 		stop := make(chan struct{})
 		var sampler sync.WaitGroup

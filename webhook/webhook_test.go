@@ -14,7 +14,6 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -134,15 +133,6 @@ func validPolicy(ns, name string) *v1alpha1.RateLimitPolicy {
 	}
 }
 
-func newNamespace(t *testing.T) string {
-	t.Helper()
-	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "webhook-"}}
-	if err := k8s.Create(context.Background(), ns); err != nil {
-		t.Fatal(err)
-	}
-	return ns.Name
-}
-
 func TestInvalidPoliciesWhenCreatedThroughTheAPIServerThenRejectedNamingTheField(t *testing.T) {
 	// The schema's cases (rejected by CEL before the webhook is asked) and the webhook's own.
 	cases := append(testenv.ReadInvalidCases(t, filepath.Join(testenv.RepoRoot(), "test", "testdata", "invalid")),
@@ -150,7 +140,7 @@ func TestInvalidPoliciesWhenCreatedThroughTheAPIServerThenRejectedNamingTheField
 	if len(cases) < 30 {
 		t.Fatalf("found %d invalid policies, want at least 30", len(cases))
 	}
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "webhook")
 	for _, c := range cases {
 		t.Run(filepath.Base(c.File), func(t *testing.T) {
 			objs := testenv.ReadObjects(t, c.File)
@@ -181,11 +171,8 @@ func TestWebhookCasesWhenValidatedWithoutTheAPIServerThenTheValidatorRejectsThem
 }
 
 func TestSamplesWhenCreatedThenAcceptedWithEveryDefaultStored(t *testing.T) {
-	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "config", "samples", "*.yaml"))
-	if len(files) < 6 {
-		t.Fatalf("found %d samples, want at least 6", len(files))
-	}
-	ns := newNamespace(t)
+	files := testenv.Samples(t)
+	ns := testenv.Namespace(t, k8s, "webhook")
 	ctx := context.Background()
 	for _, file := range files {
 		t.Run(filepath.Base(file), func(t *testing.T) {
@@ -260,7 +247,7 @@ func requireDefaults(t *testing.T, written, got *v1alpha1.RateLimitPolicy) {
 }
 
 func TestPolicyWhenRulesLeaveFailureModeOutThenItIsCopiedFromDefaultFailureMode(t *testing.T) {
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "webhook")
 	p := validPolicy(ns, "closed")
 	p.Spec.DefaultFailureMode = v1alpha1.FailClosed
 	p.Spec.Rules = append(p.Spec.Rules, v1alpha1.Rule{Name: "open", FailureMode: v1alpha1.FailOpen,
@@ -282,7 +269,7 @@ func TestPolicyWhenRulesLeaveFailureModeOutThenItIsCopiedFromDefaultFailureMode(
 }
 
 func TestRiskyPoliciesWhenCreatedThenKubectlGetsWarnings(t *testing.T) {
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "webhook")
 	for i, c := range warningCases() {
 		t.Run(c.name, func(t *testing.T) {
 			p := c.policy()
@@ -298,7 +285,7 @@ func TestRiskyPoliciesWhenCreatedThenKubectlGetsWarnings(t *testing.T) {
 
 func TestPolicyWhenUpdatedToSomethingInvalidThenRejectedAndTheOldSpecStays(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "webhook")
 	p := validPolicy(ns, "api")
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)

@@ -62,11 +62,7 @@ func run(ctx context.Context, dir string) error {
 	}
 	defer func() { _ = env.Stop() }()
 	kubeconfig := filepath.Join(dir, "kubeconfig")
-	data, err := env.Kubeconfig()
-	if err == nil {
-		err = os.WriteFile(kubeconfig, data, 0o600)
-	}
-	if err != nil {
+	if err := env.WriteKubeconfig(kubeconfig); err != nil {
 		return err
 	}
 

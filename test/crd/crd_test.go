@@ -11,7 +11,6 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
-	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -43,21 +42,9 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func newNamespace(t *testing.T) string {
-	t.Helper()
-	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "crd-"}}
-	if err := k8s.Create(context.Background(), ns); err != nil {
-		t.Fatal(err)
-	}
-	return ns.Name
-}
-
 func TestSamplesWhenAppliedThenAcceptedWithDefaults(t *testing.T) {
-	files, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "config", "samples", "*.yaml"))
-	if len(files) < 6 {
-		t.Fatalf("found %d samples, want at least 6", len(files))
-	}
-	ns := newNamespace(t)
+	files := testenv.Samples(t)
+	ns := testenv.Namespace(t, k8s, "crd")
 	ctx := context.Background()
 	for _, file := range files {
 		t.Run(filepath.Base(file), func(t *testing.T) {
@@ -91,7 +78,7 @@ func TestInvalidPoliciesWhenCreatedThenRejectedNamingTheField(t *testing.T) {
 	if len(cases) < 15 {
 		t.Fatalf("found %d invalid policies, want at least 15", len(cases))
 	}
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "crd")
 	for _, c := range cases {
 		t.Run(filepath.Base(c.File), func(t *testing.T) {
 			objs := testenv.ReadObjects(t, c.File)
@@ -144,7 +131,7 @@ func validPolicy(ns, name string) *v1alpha1.RateLimitPolicy {
 
 func TestStatusWhenWrittenThroughMainResourceThenIgnoredAndThroughSubresourceThenKept(t *testing.T) {
 	ctx := context.Background()
-	p := validPolicy(newNamespace(t), "status")
+	p := validPolicy(testenv.Namespace(t, k8s, "crd"), "status")
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
@@ -175,7 +162,7 @@ func TestStatusWhenWrittenThroughMainResourceThenIgnoredAndThroughSubresourceThe
 // Rules are a map list keyed by name, so two appliers can own different rules of one policy.
 func TestRulesWhenAppliedByTwoManagersThenMergedByName(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "crd")
 	apply := func(owner string, rule map[string]any) {
 		t.Helper()
 		u := &unstructured.Unstructured{Object: map[string]any{
@@ -209,7 +196,7 @@ func TestRulesWhenAppliedByTwoManagersThenMergedByName(t *testing.T) {
 // Durations in the schema are the ones Go parses the same way.
 func TestDurationWhenAcceptedByTheSchemaThenParsesInGo(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := testenv.Namespace(t, k8s, "crd")
 	for i, d := range []v1alpha1.Duration{"1ms", "500ms", "1m30s", "720h", "1h1m1s1ms"} {
 		p := validPolicy(ns, fmt.Sprintf("d%d", i))
 		p.Spec.Rules[0].FixedWindow.Window = d

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -34,28 +33,11 @@ import (
 
 func TestEndToEnd(t *testing.T) {
 	ctx := context.Background()
-	env, err := testenv.Start(testenv.WithWebhooks())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = env.Stop() })
-	k8s := env.Client
-	dir := t.TempDir()
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	data, err := env.Kubeconfig()
-	if err == nil {
-		err = os.WriteFile(kubeconfig, data, 0o600)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	managerBin, enforcerBin, err := local.Build(ctx, dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := startCluster(t)
+	env, k8s, dir := c.env, c.env.Client, c.dir
 	redis := redistest.NewServer(t)
 	logs := newProcessLog(t)
-	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e", "--redis-probe-interval=300ms")
+	mgr, err := local.StartManager(ctx, env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e", "--redis-probe-interval=300ms")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +90,7 @@ func TestEndToEnd(t *testing.T) {
 		})
 	})
 
-	enforcer, err := local.RunEnforcer(ctx, k8s, enforcerBin, key, upstream.URL, dir, logs)
+	enforcer, err := local.RunEnforcer(ctx, k8s, c.enforcerBin, key, upstream.URL, dir, logs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -265,6 +247,31 @@ type reply struct {
 	Header     http.Header
 }
 
+// cluster is a control plane with the webhook configurations, its kubeconfig, and the binaries.
+type cluster struct {
+	env                     *testenv.Env
+	dir, kubeconfig         string
+	managerBin, enforcerBin string
+}
+
+func startCluster(t *testing.T) *cluster {
+	t.Helper()
+	env, err := testenv.Start(testenv.WithWebhooks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	c := &cluster{env: env, dir: t.TempDir()}
+	c.kubeconfig = filepath.Join(c.dir, "kubeconfig")
+	if err := env.WriteKubeconfig(c.kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	if c.managerBin, c.enforcerBin, err = local.Build(context.Background(), c.dir); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 func update(t *testing.T, k8s client.Client, key types.NamespacedName, change func(*v1alpha1.RateLimitPolicy)) {
 	t.Helper()
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
@@ -324,26 +331,10 @@ func newProcessLog(t *testing.T) *processLog {
 // wrote a certificate into a directory and its CA into the webhook configurations.
 func TestManagerWhenCertificatesComeFromADirectoryThenTheWebhookServesThem(t *testing.T) {
 	ctx := context.Background()
-	env, err := testenv.Start(testenv.WithWebhooks())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = env.Stop() })
-	dir := t.TempDir()
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	data, err := env.Kubeconfig()
-	if err == nil {
-		err = os.WriteFile(kubeconfig, data, 0o600)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	managerBin, _, err := local.Build(ctx, dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := startCluster(t)
+	env := c.env
 	logs := newProcessLog(t)
-	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logs,
+	mgr, err := local.StartManager(ctx, env, c.managerBin, c.kubeconfig, logs,
 		"--webhook-cert-dir="+env.Webhook.LocalServingCertDir, "--enforcer-image=sluice-enforcer:from-dir")
 	if err != nil {
 		t.Fatal(err)

@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -10,9 +11,12 @@ import (
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
 // ReadObjects decodes every YAML document of a file.
@@ -98,4 +102,24 @@ func RequireInvalid(t testing.TB, err error, field, message string) {
 		}
 	}
 	t.Errorf("no cause at %s containing %q; got:\n%v", field, message, err)
+}
+
+// Samples returns the files of config/samples; a test of them fails if there are fewer than six.
+func Samples(t testing.TB) []string {
+	t.Helper()
+	files, _ := filepath.Glob(filepath.Join(RepoRoot(), "config", "samples", "*.yaml"))
+	if len(files) < 6 {
+		t.Fatalf("found %d samples, want at least 6", len(files))
+	}
+	return files
+}
+
+// Namespace creates a namespace named after prefix, for one test.
+func Namespace(t testing.TB, c client.Client, prefix string) string {
+	t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: prefix + "-"}}
+	if err := c.Create(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+	return ns.Name
 }

@@ -89,11 +89,15 @@ func (e *Env) Stop() error { return e.env.Stop() }
 // GVK is the group, version and kind of RateLimitPolicy.
 var GVK = schema.GroupVersionKind{Group: v1alpha1.GroupVersion.Group, Version: v1alpha1.GroupVersion.Version, Kind: "RateLimitPolicy"}
 
-// Kubeconfig returns a kubeconfig of a cluster administrator, for kubectl.
-func (e *Env) Kubeconfig() ([]byte, error) {
+// WriteKubeconfig writes a kubeconfig of a cluster administrator, for kubectl, to path.
+func (e *Env) WriteKubeconfig(path string) error {
 	u, err := e.env.AddUser(envtest.User{Name: "sluice-admin", Groups: []string{"system:masters"}}, nil)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	return u.KubeConfig()
+	data, err := u.KubeConfig()
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, data, 0o600)
 }
