@@ -94,6 +94,7 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 	}
 	seen := map[string]bool{}
 	defaultOpen := p.Spec.DefaultFailureMode != v1alpha1.FailClosed
+	oneOf(&errs, spec.Child("defaultFailureMode"), p.Spec.DefaultFailureMode, true, failureModes)
 	for i := range p.Spec.Rules {
 		r := &p.Spec.Rules[i]
 		path := spec.Child("rules").Index(i)
@@ -126,6 +127,8 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	if rule.Cost < 0 {
 		errs = append(errs, field.Invalid(path.Child("cost"), rule.Cost, "must be 0 or more"))
 	}
+	oneOf(&errs, path.Child("mode"), r.Mode, true, ruleModes)
+	oneOf(&errs, path.Child("failureMode"), r.FailureMode, true, failureModes)
 	switch r.FailureMode {
 	case v1alpha1.FailOpen:
 		rule.FailOpen = true
@@ -203,7 +206,8 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 
 	if m := r.Match; m != nil {
 		p := path.Child("match")
-		for _, method := range m.Methods {
+		for i, method := range m.Methods {
+			oneOf(&errs, p.Child("methods").Index(i), method, false, httpMethods)
 			rule.Match.Methods = append(rule.Match.Methods, string(method))
 		}
 		if m.Path != nil {
@@ -211,6 +215,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 			if rule.Match.Path == "" {
 				rule.Match.Path = v1alpha1.PathMatchPrefix
 			}
+			oneOf(&errs, p.Child("path", "type"), rule.Match.Path, false, pathMatchTypes)
 			if rule.Match.Path == v1alpha1.PathMatchRegularExpression {
 				re, err := regexp.Compile("^(?:" + m.Path.Value + ")$")
 				if err != nil {
@@ -238,6 +243,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	parts := map[KeySource]bool{}
 	for i, k := range r.Key {
 		ks := KeySource{Type: k.Type}
+		oneOf(&errs, path.Child("key").Index(i).Child("type"), k.Type, false, keySourceTypes)
 		if k.Type == v1alpha1.KeyHeader {
 			if k.Name == nil || !validHeaderName(string(*k.Name)) {
 				errs = append(errs, field.Required(path.Child("key").Index(i).Child("name"), "a header name is required with type Header"))

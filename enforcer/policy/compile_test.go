@@ -79,6 +79,21 @@ func TestCompileWhenPolicyCanNeverWorkThenErrorNamesTheField(t *testing.T) {
 		{"when the path expression is invalid then the value is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
 			Match: &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: v1alpha1.PathMatchRegularExpression, Value: "/v[0-9"}}}},
 			"spec.rules[0].match.path.value: Invalid value: \"/v[0-9\": must be a valid RE2 regular expression"},
+		// Outside the API server nothing checks the schema's enums; a value outside one must never
+		// be read as the default (failureMode: closed as Open, an unknown path type as every path).
+		{"when failureMode is misspelt then failureMode is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"), FailureMode: "closed"}},
+			"spec.rules[0].failureMode: Unsupported value: \"closed\": supported values: \"Open\", \"Closed\""},
+		{"when mode is unknown then mode is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"), Mode: "Audit"}},
+			"spec.rules[0].mode: Unsupported value: \"Audit\""},
+		{"when the path type is unknown then the type is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
+			Match: &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: "PathPrefix", Value: "/a"}}}},
+			"spec.rules[0].match.path.type: Unsupported value: \"PathPrefix\""},
+		{"when a method is not a method then it is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
+			Match: &v1alpha1.Match{Methods: []v1alpha1.HTTPMethod{"GET", "get"}}}},
+			"spec.rules[0].match.methods[1]: Unsupported value: \"get\""},
+		{"when a key type is unknown then it is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
+			Key: []v1alpha1.KeySource{{Type: "ClientIP"}}}},
+			"spec.rules[0].key[0].type: Unsupported value: \"ClientIP\""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -87,5 +102,20 @@ func TestCompileWhenPolicyCanNeverWorkThenErrorNamesTheField(t *testing.T) {
 				t.Errorf("err = %v, want it to contain %q", err, c.want)
 			}
 		})
+	}
+}
+
+func TestCompileWhenSpecEnumIsMisspeltThenFieldIsNamed(t *testing.T) {
+	p := newPolicy(v1alpha1.Rule{Name: "a", FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1s"}})
+	p.Spec.DefaultFailureMode = "closed"
+	p.Spec.Storage = &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{"redis:6379"}, Mode: "cluster"}}
+	_, err := policy.Compile(p)
+	for _, want := range []string{
+		`spec.defaultFailureMode: Unsupported value: "closed"`,
+		`spec.storage.redis.mode: Unsupported value: "cluster"`,
+	} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("err = %v, want it to contain %q", err, want)
+		}
 	}
 }

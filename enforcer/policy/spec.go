@@ -58,6 +58,7 @@ func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.Error
 func validateRedis(r *v1alpha1.RedisStorage, p *field.Path) field.ErrorList {
 	var errs field.ErrorList
 	mode := r.Mode
+	oneOf(&errs, p.Child("mode"), mode, true, redisModes)
 	if mode == "" {
 		mode = v1alpha1.RedisStandalone
 	}
@@ -118,4 +119,27 @@ func validateResources(r *corev1.ResourceRequirements, p *field.Path) field.Erro
 		}
 	}
 	return errs
+}
+
+// Values of the schema's enums, for files that never passed through the API server. A value
+// outside them, such as failureMode: closed, must be refused, never read as the default.
+var (
+	httpMethods    = []v1alpha1.HTTPMethod{"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"}
+	pathMatchTypes = []v1alpha1.PathMatchType{v1alpha1.PathMatchExact, v1alpha1.PathMatchPrefix, v1alpha1.PathMatchRegularExpression}
+	keySourceTypes = []v1alpha1.KeySourceType{v1alpha1.KeyRemoteAddress, v1alpha1.KeyHeader, v1alpha1.KeyMethod, v1alpha1.KeyPath}
+	failureModes   = []v1alpha1.FailureMode{v1alpha1.FailOpen, v1alpha1.FailClosed}
+	ruleModes      = []v1alpha1.RuleMode{v1alpha1.ModeEnforce, v1alpha1.ModeShadow}
+	redisModes     = []v1alpha1.RedisMode{v1alpha1.RedisStandalone, v1alpha1.RedisSentinel, v1alpha1.RedisCluster}
+)
+
+// oneOf adds an error when v is not one of an enum's values; optional enums skip the empty value.
+func oneOf[T ~string](errs *field.ErrorList, p *field.Path, v T, optional bool, values []T) {
+	if (optional && v == "") || slices.Contains(values, v) {
+		return
+	}
+	names := make([]string, len(values))
+	for i, s := range values {
+		names[i] = string(s)
+	}
+	*errs = append(*errs, field.NotSupported(p, v, names))
 }
