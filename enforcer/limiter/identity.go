@@ -1,7 +1,6 @@
 package limiter
 
 import (
-	"net/http"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -15,7 +14,7 @@ import (
 // Hops are read from the right, the only end a client cannot forge, so a spoofed header from an
 // untrusted peer changes nothing. A hop that is not an address ends the walk at the last trusted
 // hop before it.
-func ClientAddr(peer netip.Addr, header http.Header, trusted []netip.Prefix) netip.Addr {
+func ClientAddr(peer netip.Addr, header policy.Header, trusted []netip.Prefix) netip.Addr {
 	if !contains(trusted, peer) {
 		return peer
 	}
@@ -53,7 +52,7 @@ func contains(prefixes []netip.Prefix, a netip.Addr) bool {
 // A request that lacks a key source's header is keyed by its client address instead, under a
 // marker that no present header can produce: anonymous requests are limited per address, never
 // pooled into one bucket shared with every other such request.
-func ClientKey(keys []policy.KeySource, method, path string, header http.Header, addr netip.Addr) string {
+func ClientKey(keys []policy.KeySource, method, path string, header policy.Header, addr netip.Addr) string {
 	if len(keys) == 0 {
 		return ""
 	}

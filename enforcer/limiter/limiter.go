@@ -5,7 +5,6 @@ package limiter
 import (
 	"context"
 	"errors"
-	"net/http"
 	"net/netip"
 	"sync/atomic"
 	"time"
@@ -34,7 +33,7 @@ const (
 type Request struct {
 	Method string
 	Path   string
-	Header http.Header
+	Header policy.Header
 	// Peer is the TCP peer's address.
 	Peer netip.Addr
 }

@@ -1,15 +1,21 @@
 package policy
 
 import (
-	"net/http"
 	"slices"
 	"strings"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 )
 
+// Header reads a request's header fields. http.Header is one; the check API adapts its server's.
+type Header interface {
+	// Values returns every value of a field, in the order received; the name is
+	// case-insensitive.
+	Values(name string) []string
+}
+
 // Matches reports whether the rule applies to a request.
-func (m *Match) Matches(method, path string, header http.Header) bool {
+func (m *Match) Matches(method, path string, header Header) bool {
 	if len(m.Methods) > 0 && !slices.Contains(m.Methods, method) {
 		return false
 	}
