@@ -45,6 +45,8 @@ type Rule struct {
 	FailOpen bool
 	Match    Match
 	Key      []KeySource
+	// Fields are the rule's RateLimit header members.
+	Fields Fields
 }
 
 // Match selects requests; the zero Match selects all.
@@ -256,6 +258,9 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		}
 		parts[ks] = true
 		rule.Key = append(rule.Key, ks)
+	}
+	if len(errs) == 0 {
+		rule.Fields = newFields(&rule)
 	}
 	return rule, errs
 }
