@@ -3,6 +3,7 @@ package enforcer_test
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -729,5 +730,66 @@ func TestAdminWhenPprofIsOnThenProfilesAreServedAndOtherwiseNot(t *testing.T) {
 	}
 	if got := get(t, on.check+"/debug/pprof/").StatusCode; got == http.StatusOK {
 		t.Error("profiles are served on the check API; want them on the admin address only")
+	}
+}
+
+// The check API answers a refusal with the proxy's headers and problem body, keys clients by the
+// ingress's X-Forwarded-For when the ingress is trusted, refuses an oversized header, and drains
+// a request that a leaky bucket holds when the enforcer stops.
+func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
+	e := start(t, policyDoc("check-answers", `    - name: per-client
+      match: {path: {type: Prefix, value: /a}}
+      tokenBucket: {capacity: 1, refill: {tokens: 1, period: 30s}}
+      key: [{type: RemoteAddress}]
+    - name: queue
+      match: {path: {type: Prefix, value: /q}}
+      leakyBucket: {capacity: 5, drain: {requests: 1, period: 1s}}
+`, "  trustedProxies: [\"127.0.0.0/8\"]\n"), nil, nil)
+	from := func(ip, path string) []string {
+		return []string{"X-Forwarded-Method", "GET", "X-Forwarded-Uri", path, "X-Forwarded-For", ip}
+	}
+	for _, ip := range []string{"203.0.113.1", "203.0.113.2"} {
+		if s := get(t, e.check, from(ip, "/a")...).StatusCode; s != http.StatusOK {
+			t.Fatalf("first request of %s: %d, want 200 (each client has its own bucket)", ip, s)
+		}
+	}
+	req, _ := http.NewRequest(http.MethodGet, e.check, nil)
+	for h := from("203.0.113.1", "/a"); len(h) > 0; h = h[2:] {
+		req.Header.Set(h[0], h[1])
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("second request: %d, want 429", resp.StatusCode)
+	}
+	if ra, err := strconv.Atoi(resp.Header.Get("Retry-After")); err != nil || ra < 1 || ra > 30 {
+		t.Errorf("Retry-After %q, want 1..30 seconds", resp.Header.Get("Retry-After"))
+	}
+	if q, w, r, tt := rateLimit(t, resp.Header); q != 1 || w != 30 || r != 0 || tt < 1 || tt > 30 {
+		t.Errorf("q=%d w=%d r=%d t=%d, want q=1 w=30 r=0 t in 1..30", q, w, r, tt)
+	}
+	var p struct {
+		Status int    `json:"status"`
+		Rule   string `json:"rule"`
+	}
+	if ct := resp.Header.Get("Content-Type"); ct != "application/problem+json" || json.Unmarshal(body, &p) != nil || p.Status != 429 || p.Rule != "per-client" {
+		t.Errorf("body %s (%s), want an application/problem+json naming rule per-client", body, ct)
+	}
+
+	if s := get(t, e.check, append(from("203.0.113.3", "/a"), "X-Padding", strings.Repeat("x", 70<<10))...).StatusCode; s != http.StatusRequestHeaderFieldsTooLarge {
+		t.Errorf("a 70 KiB header: %d, want 431", s)
+	}
+
+	get(t, e.check, from("203.0.113.4", "/q")...) // departs at once; the next waits 1s
+	held := make(chan int)
+	go func() { held <- get(t, e.check, from("203.0.113.4", "/q")...).StatusCode }()
+	time.Sleep(200 * time.Millisecond)
+	e.stop()
+	if s := <-held; s != http.StatusOK {
+		t.Errorf("request held at shutdown: %d, want 200 once its wait is over", s)
 	}
 }

@@ -2,63 +2,27 @@ package enforcer
 
 import (
 	"encoding/json"
-	"math"
 	"net"
 	"net/http"
 	"net/http/httputil"
 	"net/netip"
 	"net/url"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
-	"github.com/dunglas/httpsfv"
-
-	"github.com/sluice-dev/sluice/enforcer/algorithm"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/policy"
 )
 
-// seconds rounds a duration up to whole seconds: a client that waits them is never early.
-func seconds(d time.Duration) int64 { return int64(math.Ceil(d.Seconds())) }
-
-// window is the time the rule's quota refers to: the window, or the time an empty bucket takes
-// to fill.
-func window(r *policy.Rule) time.Duration {
-	switch r.Limit.Kind {
-	case algorithm.TokenBucket, algorithm.LeakyBucket:
-		return time.Duration(float64(r.Limit.Period) * float64(r.Limit.Limit) / float64(r.Limit.Rate))
-	}
-	return r.Limit.Period
-}
-
-// setRateLimitHeaders writes the RateLimit-Policy and RateLimit fields of
-// draft-ietf-httpapi-ratelimit-headers, as structured-field lists, for the rule the result
-// describes:
-//
-//	RateLimit-Policy: "burst";q=10;w=1
-//	RateLimit: "burst";r=0;t=1
-func setRateLimitHeaders(h http.Header, res *limiter.Result) {
-	if res.Rule == nil || res.Decision.Limit == 0 {
+// setRateLimitHeaders writes the RateLimit-Policy and RateLimit fields for the rule the result
+// describes. set is the response's header setter: http.Header.Set, or the check API server's.
+func setRateLimitHeaders(set func(name, value string), res *limiter.Result) {
+	if res.Rule == nil || res.Decision.Limit == 0 || res.Rule.Fields.Policy == "" {
 		return
 	}
-	p := httpsfv.NewItem(res.Rule.Name)
-	p.Params.Add("q", res.Decision.Limit)
-	p.Params.Add("w", max(1, seconds(window(res.Rule))))
-	policyField, err := httpsfv.Marshal(httpsfv.List{p})
-	if err != nil {
-		return
-	}
-	l := httpsfv.NewItem(res.Rule.Name)
-	l.Params.Add("r", res.Decision.Remaining)
-	l.Params.Add("t", seconds(res.Decision.Reset))
-	limitField, err := httpsfv.Marshal(httpsfv.List{l})
-	if err != nil {
-		return
-	}
-	h.Set("RateLimit-Policy", policyField)
-	h.Set("RateLimit", limitField)
+	set("RateLimit-Policy", res.Rule.Fields.Policy)
+	set("RateLimit", res.Rule.Fields.Limit(res.Decision.Remaining, policy.Seconds(res.Decision.Reset)))
 }
 
 // problem is an RFC 9457 problem detail.
@@ -72,9 +36,10 @@ type problem struct {
 	RetryAfter int64  `json:"retryAfter"`
 }
 
-// refuse answers a refused request: 429 for a limit, 503 when a fail-closed rule's store is down.
-func refuse(w http.ResponseWriter, res *limiter.Result) {
-	retry := max(1, seconds(res.RetryAfter))
+// refusal describes a refused request: 429 for a limit, 503 when a fail-closed rule's store is
+// down. It sets the headers through set and returns the status and the problem+json body.
+func refusal(set func(name, value string), res *limiter.Result) (status int, body []byte) {
+	retry := max(1, policy.Seconds(res.RetryAfter))
 	p := problem{Policy: res.Policy, RetryAfter: retry}
 	if res.Rule != nil {
 		p.Rule = res.Rule.Name
@@ -86,12 +51,11 @@ func refuse(w http.ResponseWriter, res *limiter.Result) {
 		p.Type, p.Title, p.Status = "https://sluice.dev/problems/rate-limited", "Too Many Requests", http.StatusTooManyRequests
 		p.Detail = "rate limit " + strconv.Quote(p.Rule) + " exceeded; retry after " + strconv.FormatInt(retry, 10) + "s"
 	}
-	h := w.Header()
-	h.Set("Retry-After", strconv.FormatInt(retry, 10))
-	h.Set("Content-Type", "application/problem+json")
-	h.Set("Cache-Control", "no-store")
-	w.WriteHeader(p.Status)
-	_ = json.NewEncoder(w).Encode(p)
+	set("Retry-After", strconv.FormatInt(retry, 10))
+	set("Content-Type", "application/problem+json")
+	set("Cache-Control", "no-store")
+	body, _ = json.Marshal(p) // strings and integers: cannot fail
+	return p.Status, append(body, '\n')
 }
 
 func peerAddr(r *http.Request) netip.Addr {
@@ -148,9 +112,12 @@ func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
 
 func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	res := p.limiter.Decide(r.Context(), &limiter.Request{Method: r.Method, Path: r.URL.Path, Header: r.Header, Peer: peerAddr(r)})
-	setRateLimitHeaders(w.Header(), &res)
+	h := w.Header()
+	setRateLimitHeaders(h.Set, &res)
 	if res.Outcome != limiter.Allowed {
-		refuse(w, &res)
+		status, body := refusal(h.Set, &res)
+		w.WriteHeader(status)
+		_, _ = w.Write(body)
 		return
 	}
 	if !hold(r, res.Wait) {
@@ -173,45 +140,4 @@ func hold(r *http.Request, wait time.Duration) bool {
 	case <-r.Context().Done():
 		return false
 	}
-}
-
-// check is the forward-auth API for ingress controllers (ingress-nginx auth-url, Traefik
-// ForwardAuth): it decides the original request described by the headers and answers 200, 429
-// or 503 with the same headers as the proxy, forwarding nothing. The original method and URI come
-// from X-Original-Method and X-Original-URL (ingress-nginx) or X-Forwarded-Method and
-// X-Forwarded-Uri (Traefik). The client address is the ingress's X-Forwarded-For when the ingress
-// is in trustedProxies.
-type check struct {
-	limiter *limiter.Limiter
-}
-
-func (c *check) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	method := firstOf(r.Header, "X-Original-Method", "X-Forwarded-Method")
-	uri := firstOf(r.Header, "X-Original-Url", "X-Forwarded-Uri")
-	if method == "" || uri == "" {
-		http.Error(w, "the check API needs the original method and URI in X-Original-Method and X-Original-URL, or X-Forwarded-Method and X-Forwarded-Uri", http.StatusBadRequest)
-		return
-	}
-	path := uri
-	if u, err := url.Parse(uri); err == nil {
-		path = u.Path
-	}
-	res := c.limiter.Decide(r.Context(), &limiter.Request{Method: strings.ToUpper(method), Path: path, Header: r.Header, Peer: peerAddr(r)})
-	setRateLimitHeaders(w.Header(), &res)
-	if res.Outcome != limiter.Allowed {
-		refuse(w, &res)
-		return
-	}
-	if hold(r, res.Wait) {
-		w.WriteHeader(http.StatusOK)
-	}
-}
-
-func firstOf(h http.Header, names ...string) string {
-	for _, n := range names {
-		if v := h.Get(n); v != "" {
-			return v
-		}
-	}
-	return ""
 }

@@ -52,10 +52,11 @@ type Enforcer struct {
 	cfg     Config
 	limiter *limiter.Limiter
 	store   store.Store
-	servers []*http.Server
-	wg      sync.WaitGroup
-	errs    chan error
-	reloads *prometheus.CounterVec
+	// shutdowns stop the servers, draining in-flight requests.
+	shutdowns []func(context.Context) error
+	wg        sync.WaitGroup
+	errs      chan error
+	reloads   *prometheus.CounterVec
 }
 
 // Run starts the enforcer and serves until ctx is done, then drains in-flight requests.
@@ -122,20 +123,21 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		ExpectContinueTimeout: time.Second,
 		ForceAttemptHTTP2:     true,
 	}
-	servers := []struct {
-		addr    *string
-		listen  string
-		handler http.Handler
-	}{
-		{&e.ProxyAddr, cfg.Listen, nil},
-		{&e.CheckAddr, cfg.CheckListen, &check{limiter: e.limiter}},
-		{&e.AdminAddr, cfg.AdminListen, admin},
-	}
+	var proxyHandler http.Handler
 	if cfg.Upstream != nil {
-		servers[0].handler = newProxy(e.limiter, cfg.Upstream, transport)
+		proxyHandler = newProxy(e.limiter, cfg.Upstream, transport)
+	}
+	servers := []struct {
+		addr   *string
+		listen string
+		serve  func(net.Listener)
+	}{
+		{&e.ProxyAddr, cfg.Listen, e.serveHTTP(proxyHandler)},
+		{&e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
+		{&e.AdminAddr, cfg.AdminListen, e.serveHTTP(admin)},
 	}
 	for _, s := range servers {
-		if s.listen == "" || s.handler == nil {
+		if s.listen == "" || s.serve == nil {
 			continue
 		}
 		ln, err := net.Listen("tcp", s.listen)
@@ -144,7 +146,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 			return nil, fmt.Errorf("listen on %s: %w", s.listen, err)
 		}
 		*s.addr = ln.Addr().String()
-		e.serve(ln, s.handler)
+		s.serve(ln)
 	}
 	e.wg.Add(1)
 	go func() {
@@ -167,27 +169,48 @@ func storeName(cfg Config) string {
 	return "redis-" + string(cfg.Redis.Mode)
 }
 
-// serve runs one server with limits against slow and oversized clients. Cleartext HTTP/2 (h2c)
-// is served beside HTTP/1.1.
-func (e *Enforcer) serve(ln net.Listener, h http.Handler) {
-	var protocols http.Protocols
-	protocols.SetHTTP1(true)
-	protocols.SetUnencryptedHTTP2(true)
-	srv := &http.Server{
-		Handler:           h,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       120 * time.Second,
-		MaxHeaderBytes:    64 << 10,
-		Protocols:         &protocols,
+// serveHTTP returns a function that runs a net/http server for h with limits against slow and
+// oversized clients, cleartext HTTP/2 (h2c) beside HTTP/1.1. Nil for a nil handler.
+func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) {
+	if h == nil {
+		return nil
 	}
-	e.servers = append(e.servers, srv)
-	e.wg.Add(1)
-	go func() {
-		defer e.wg.Done()
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+	return func(ln net.Listener) {
+		var protocols http.Protocols
+		protocols.SetHTTP1(true)
+		protocols.SetUnencryptedHTTP2(true)
+		srv := &http.Server{
+			Handler:           h,
+			ReadHeaderTimeout: 10 * time.Second,
+			IdleTimeout:       120 * time.Second,
+			MaxHeaderBytes:    64 << 10,
+			Protocols:         &protocols,
+		}
+		e.run(func() error {
+			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				return err
+			}
+			return nil
+		}, srv.Shutdown)
+	}
+}
+
+// serveCheck returns a function that runs the check API's server.
+func (e *Enforcer) serveCheck(c *check) func(net.Listener) {
+	return func(ln net.Listener) {
+		srv := newCheckServer(c, e.cfg.Log)
+		e.run(func() error { return srv.Serve(ln) }, srv.ShutdownWithContext)
+	}
+}
+
+// run serves in the background until shutdown is called.
+func (e *Enforcer) run(serve func() error, shutdown func(context.Context) error) {
+	e.shutdowns = append(e.shutdowns, shutdown)
+	e.wg.Go(func() {
+		if err := serve(); err != nil {
 			e.errs <- err
 		}
-	}()
+	})
 }
 
 // shutdown stops accepting requests and drains the ones in flight.
@@ -195,8 +218,8 @@ func (e *Enforcer) shutdown() {
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.ShutdownTimeout)
 	defer cancel()
 	var wg sync.WaitGroup
-	for _, s := range e.servers {
-		wg.Go(func() { _ = s.Shutdown(ctx) })
+	for _, shutdown := range e.shutdowns {
+		wg.Go(func() { _ = shutdown(ctx) })
 	}
 	wg.Wait()
 }
