@@ -107,13 +107,17 @@ after=$(calls)
 requests=$(echo "$out" | awk '/requests in/ {print $1}')
 echo "check API, Redis store, wrk -c50: $(echo "$out" | rate) decisions/s, p99 $(echo "$out" | p99), Redis scripts per request $(awk -v a="$after" -v b="$before" -v r="$requests" 'BEGIN {printf "%.3f\n", (a - b) / r}')"
 
-# What net/http allows on this machine, against the same upstream: the server alone, the leanest
-# HTTP/1.1 proxy, and httputil.ReverseProxy with http.Transport.
+# What Go's servers allow on this machine, against the same upstream: net/http alone, the leanest
+# net/http HTTP/1.1 proxy, httputil.ReverseProxy with http.Transport; fasthttp alone, and a
+# fasthttp server forwarding with fasthttp's HostClient (no decision at all).
 CEIL=18186
-for mode in hello proxy reverseproxy; do
+for mode in hello proxy reverseproxy fasthello fastproxy; do
 	"$work/ceiling" -mode $mode -listen 127.0.0.1:$CEIL -upstream 127.0.0.1:$UP 2>/dev/null &
 	pid=$!
 	sleep 0.5
-	printf 'net/http ceiling, %-13s %12s req/s\n' "$mode" "$(wrk -t2 -c64 -d"${secs}s" "http://127.0.0.1:$CEIL/" | rate)"
+	printf 'ceiling, %-13s %12s req/s\n' "$mode" "$(wrk -t2 -c64 -d"${secs}s" "http://127.0.0.1:$CEIL/" | rate)"
+	if [[ $mode == *proxy ]]; then
+		printf 'ceiling, %-13s at %d/s: %s\n' "$mode" "$half" "$("$work/loadgen" -url "http://127.0.0.1:$CEIL/" -rate "$half" -duration "${secs}s")"
+	fi
 	kill $pid; wait $pid 2>/dev/null || true
 done
