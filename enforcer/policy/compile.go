@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -94,6 +95,8 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 	if len(p.Spec.Rules) == 0 {
 		errs = append(errs, field.Required(spec.Child("rules"), "at least one rule is required"))
 	}
+	atMost(len(p.Spec.Rules), maxRules, spec.Child("rules"), &errs)
+	atMost(len(p.Spec.TrustedProxies), maxProxies, spec.Child("trustedProxies"), &errs)
 	seen := map[string]bool{}
 	defaultOpen := p.Spec.DefaultFailureMode != v1alpha1.FailClosed
 	oneOf(&errs, spec.Child("defaultFailureMode"), p.Spec.DefaultFailureMode, true, failureModes)
@@ -126,8 +129,9 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	if r.Cost != nil {
 		rule.Cost = *r.Cost
 	}
-	if rule.Cost < 0 {
-		errs = append(errs, field.Invalid(path.Child("cost"), rule.Cost, "must be 0 or more"))
+	between(rule.Cost, 0, maxAmount, path.Child("cost"), &errs)
+	if msgs := validation.IsDNS1123Label(r.Name); len(msgs) > 0 {
+		errs = append(errs, field.Invalid(path.Child("name"), r.Name, "must be a DNS label: "+strings.Join(msgs, "; ")))
 	}
 	oneOf(&errs, path.Child("mode"), r.Mode, true, ruleModes)
 	oneOf(&errs, path.Child("failureMode"), r.FailureMode, true, failureModes)
@@ -145,8 +149,8 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		p := path.Child("tokenBucket")
 		rule.Limit = algorithm.Limit{Kind: algorithm.TokenBucket, Limit: b.Capacity, Rate: b.Refill.Tokens}
 		rule.Limit.Period = duration(b.Refill.Period, p.Child("refill", "period"), &errs)
-		positive(b.Capacity, p.Child("capacity"), &errs)
-		positive(b.Refill.Tokens, p.Child("refill", "tokens"), &errs)
+		between(b.Capacity, 1, maxAmount, p.Child("capacity"), &errs)
+		between(b.Refill.Tokens, 1, maxAmount, p.Child("refill", "tokens"), &errs)
 		capName = "tokenBucket.capacity"
 	}
 	if b := r.LeakyBucket; b != nil {
@@ -154,8 +158,8 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		p := path.Child("leakyBucket")
 		rule.Limit = algorithm.Limit{Kind: algorithm.LeakyBucket, Limit: b.Capacity, Rate: b.Drain.Requests}
 		rule.Limit.Period = duration(b.Drain.Period, p.Child("drain", "period"), &errs)
-		positive(b.Capacity, p.Child("capacity"), &errs)
-		positive(b.Drain.Requests, p.Child("drain", "requests"), &errs)
+		between(b.Capacity, 1, maxQueue, p.Child("capacity"), &errs)
+		between(b.Drain.Requests, 1, maxAmount, p.Child("drain", "requests"), &errs)
 		capName = "leakyBucket.capacity"
 		// A full queue drains in capacity intervals: waiting longer is never needed.
 		var drainAll time.Duration
@@ -189,7 +193,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		p := path.Child(w.name)
 		rule.Limit = algorithm.Limit{Kind: w.kind, Limit: w.w.Limit}
 		rule.Limit.Period = duration(w.w.Window, p.Child("window"), &errs)
-		positive(w.w.Limit, p.Child("limit"), &errs)
+		between(w.w.Limit, 1, maxAmount, p.Child("limit"), &errs)
 		capName = w.name + ".limit"
 		if w.kind == algorithm.SlidingLog && w.w.Limit > MaxSlidingLogLimit {
 			errs = append(errs, field.Invalid(p.Child("limit"), w.w.Limit, fmt.Sprintf(
@@ -228,6 +232,8 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 				errs = append(errs, field.Invalid(p.Child("path", "value"), m.Path.Value, "must start with '/' for types Exact and Prefix"))
 			}
 		}
+		atMost(len(m.Methods), len(httpMethods), p.Child("methods"), &errs)
+		atMost(len(m.Headers), maxHeaders, p.Child("headers"), &errs)
 		headers := map[string]bool{}
 		for i, h := range m.Headers {
 			name := p.Child("headers").Index(i).Child("name")
@@ -242,6 +248,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 			rule.Match.Headers = append(rule.Match.Headers, HeaderMatch{Name: http.CanonicalHeaderKey(string(h.Name)), Value: h.Value})
 		}
 	}
+	atMost(len(r.Key), maxKeySources, path.Child("key"), &errs)
 	parts := map[KeySource]bool{}
 	for i, k := range r.Key {
 		ks := KeySource{Type: k.Type}
@@ -287,9 +294,31 @@ func duration(d v1alpha1.Duration, path *field.Path, errs *field.ErrorList) time
 	return 0
 }
 
-func positive(v int64, path *field.Path, errs *field.ErrorList) {
-	if v < 1 {
-		*errs = append(*errs, field.Invalid(path, v, "must be at least 1"))
+// The schema's bounds on amounts. The algorithms rely on them: counts, costs and their sums
+// stay exact in a Lua number, and the fixed window packs a count below 2^31 beside its index.
+const (
+	maxAmount     = 1_000_000_000
+	maxQueue      = 1_000_000
+	maxRules      = 32
+	maxKeySources = 8
+	maxHeaders    = 16
+	maxProxies    = 32
+)
+
+// between adds an error when v is outside [lo, hi].
+func between(v, lo, hi int64, path *field.Path, errs *field.ErrorList) {
+	switch {
+	case v < lo:
+		*errs = append(*errs, field.Invalid(path, v, fmt.Sprintf("must be at least %d", lo)))
+	case v > hi:
+		*errs = append(*errs, field.Invalid(path, v, fmt.Sprintf("must be at most %d", hi)))
+	}
+}
+
+// atMost adds an error when a list is longer than the schema allows.
+func atMost(n, limit int, path *field.Path, errs *field.ErrorList) {
+	if n > limit {
+		*errs = append(*errs, field.TooMany(path, n, limit))
 	}
 }
 

@@ -1,6 +1,8 @@
 package policy_test
 
 import (
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -94,6 +96,20 @@ func TestCompileWhenPolicyCanNeverWorkThenErrorNamesTheField(t *testing.T) {
 		{"when a key type is unknown then it is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
 			Key: []v1alpha1.KeySource{{Type: "ClientIP"}}}},
 			"spec.rules[0].key[0].type: Unsupported value: \"ClientIP\""},
+		// The schema's bounds hold for files too: the rule name is part of every Redis key and
+		// response header, and the algorithms rely on the amounts' bounds.
+		{"when a rule name is not a DNS label then the name is named", []v1alpha1.Rule{{Name: "Burst Limit", FixedWindow: window(5, "1s")}},
+			"spec.rules[0].name: Invalid value: \"Burst Limit\": must be a DNS label"},
+		{"when a limit is over a billion then the limit is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5_000_000_000, "1s")}},
+			"spec.rules[0].fixedWindow.limit: Invalid value: 5000000000: must be at most 1000000000"},
+		{"when a queue is over a million then the capacity is named", []v1alpha1.Rule{{Name: "a",
+			LeakyBucket: &v1alpha1.LeakyBucket{Capacity: 2_000_000, Drain: v1alpha1.DrainRate{Requests: 1, Period: "1s"}}}},
+			"spec.rules[0].leakyBucket.capacity: Invalid value: 2000000: must be at most 1000000"},
+		{"when a rule has nine key sources then key is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
+			Key: slices.Repeat([]v1alpha1.KeySource{{Type: v1alpha1.KeyPath}}, 9)}},
+			"spec.rules[0].key: Too many: 9: must have at most 8 items"},
+		{"when there are 33 rules then rules is named", manyRules(33),
+			"spec.rules: Too many: 33: must have at most 32 items"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -118,4 +134,12 @@ func TestCompileWhenSpecEnumIsMisspeltThenFieldIsNamed(t *testing.T) {
 			t.Errorf("err = %v, want it to contain %q", err, want)
 		}
 	}
+}
+
+func manyRules(n int) []v1alpha1.Rule {
+	rules := make([]v1alpha1.Rule, n)
+	for i := range rules {
+		rules[i] = v1alpha1.Rule{Name: fmt.Sprintf("r%d", i), FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1s"}}
+	}
+	return rules
 }
