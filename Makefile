@@ -46,7 +46,7 @@ lint: ## Lint the Go code with the pinned golangci-lint.
 	$(GOLANGCI_LINT) run ./...
 
 .PHONY: verify
-verify: generate manifests ## Regenerate everything, fail if anything generated drifted or a kustomization is broken.
+verify: generate manifests ## Regenerate everything, fail if anything generated drifted, go.mod is untidy or a kustomization is broken.
 	@for overlay in config/default config/cert-manager; do \
 		$(KUSTOMIZE) build $$overlay >/dev/null || { echo "kustomize build $$overlay failed"; exit 1; }; \
 	done
@@ -55,6 +55,7 @@ verify: generate manifests ## Regenerate everything, fail if anything generated 
 		echo "Generated files are out of date; run 'make generate manifests' and commit:"; \
 		echo "$$drift"; git --no-pager diff --stat -- api config; exit 1; \
 	fi
+	@go mod tidy -diff >/dev/null || { echo "go.mod or go.sum is not tidy; run 'go mod tidy' and commit:"; go mod tidy -diff; exit 1; }
 
 ##@ Run
 
