@@ -2,6 +2,7 @@ package enforcer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -101,6 +102,23 @@ func newCheckServer(c *check, log logr.Logger) *fasthttp.Server {
 		MaxRequestBodySize:    64 << 10, // ingresses send none
 		NoDefaultServerHeader: true,
 		Logger:                fastLogger{log},
+		ErrorHandler:          refuseMalformed,
+	}
+}
+
+// refuseMalformed answers a request the server could not read with the status that says why.
+func refuseMalformed(ctx *fasthttp.RequestCtx, err error) {
+	var small *fasthttp.ErrSmallBuffer
+	var netErr net.Error
+	switch {
+	case errors.As(err, &small):
+		ctx.Error("request header over 64 KiB", http.StatusRequestHeaderFieldsTooLarge)
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		ctx.Error("request body over 64 KiB: the check API needs none", http.StatusRequestEntityTooLarge)
+	case errors.As(err, &netErr) && netErr.Timeout():
+		ctx.Error("request not read in time", http.StatusRequestTimeout)
+	default:
+		ctx.Error("malformed request", http.StatusBadRequest)
 	}
 }
 

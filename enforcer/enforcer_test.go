@@ -734,8 +734,8 @@ func TestAdminWhenPprofIsOnThenProfilesAreServedAndOtherwiseNot(t *testing.T) {
 }
 
 // The check API answers a refusal with the proxy's headers and problem body, keys clients by the
-// ingress's X-Forwarded-For when the ingress is trusted, refuses an oversized header, and drains
-// a request that a leaky bucket holds when the enforcer stops.
+// ingress's X-Forwarded-For when the ingress is trusted, refuses an oversized header or body, and
+// drains a request that a leaky bucket holds when the enforcer stops.
 func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 	e := start(t, policyDoc("check-answers", `    - name: per-client
       match: {path: {type: Prefix, value: /a}}
@@ -782,6 +782,29 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 
 	if s := get(t, e.check, append(from("203.0.113.3", "/a"), "X-Padding", strings.Repeat("x", 70<<10))...).StatusCode; s != http.StatusRequestHeaderFieldsTooLarge {
 		t.Errorf("a 70 KiB header: %d, want 431", s)
+	}
+
+	// A body is read and ignored up to 64 KiB; a longer one is refused from its Content-Length,
+	// before it is sent (a raw connection: a client still writing it would see a reset).
+	for size, want := range map[int]int{1 << 10: http.StatusOK, 100 << 10: http.StatusRequestEntityTooLarge} {
+		conn, err := net.Dial("tcp", e.CheckAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := ""
+		if size < 64<<10 {
+			body = strings.Repeat("b", size)
+		}
+		_, _ = fmt.Fprintf(conn, "POST / HTTP/1.1\r\nHost: check\r\nX-Forwarded-Method: POST\r\nX-Forwarded-Uri: /b\r\nContent-Length: %d\r\n\r\n%s", size, body)
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("a %d-byte body: %v", size, err)
+		}
+		_ = resp.Body.Close()
+		_ = conn.Close()
+		if resp.StatusCode != want {
+			t.Errorf("a %d-byte body: %d, want %d", size, resp.StatusCode, want)
+		}
 	}
 
 	get(t, e.check, from("203.0.113.4", "/q")...) // departs at once; the next waits 1s
