@@ -6,9 +6,11 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -23,6 +25,13 @@ const MaxRedisTimeout = 5 * time.Second
 // objects that never passed through the API server, such as the enforcer's own policy file.
 func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.ErrorList {
 	var errs field.ErrorList
+	target := spec.Child("targetRef")
+	if msgs := validation.IsDNS1035Label(s.TargetRef.Name); len(msgs) > 0 {
+		errs = append(errs, field.Invalid(target.Child("name"), s.TargetRef.Name, "must be a Service name: "+strings.Join(msgs, "; ")))
+	}
+	if msgs := validation.IsValidPortNum(int(s.TargetRef.Port)); len(msgs) > 0 {
+		errs = append(errs, field.Invalid(target.Child("port"), s.TargetRef.Port, strings.Join(msgs, "; ")))
+	}
 	shared := false
 	if st := s.Storage; st != nil {
 		p := spec.Child("storage")
