@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"sync"
 	"time"
+
+	"golang.org/x/sync/singleflight"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 )
@@ -30,6 +33,43 @@ func DialRedis(ctx context.Context, addrs []string) error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// SharedProbe makes the policies that name the same Redis share its probe: a result is reused
+// for ttl, and concurrent probes of one address list wait for the one in flight. Without it, a
+// thousand policies on one unreachable Redis would each hold a worker for the dial's timeout.
+func SharedProbe(probe RedisProbe, ttl time.Duration) RedisProbe {
+	type result struct {
+		err error
+		at  time.Time
+	}
+	var (
+		mu      sync.Mutex
+		results = map[string]result{}
+		flight  singleflight.Group
+	)
+	return func(ctx context.Context, addrs []string) error {
+		key := strings.Join(addrs, ",")
+		mu.Lock()
+		res, ok := results[key]
+		mu.Unlock()
+		if ok && time.Since(res.at) < ttl {
+			return res.err
+		}
+		v, _, _ := flight.Do(key, func() (any, error) {
+			res := result{err: probe(ctx, addrs), at: time.Now()}
+			mu.Lock()
+			defer mu.Unlock()
+			for k, old := range results { // forget lists no policy names any more
+				if res.at.Sub(old.at) >= ttl {
+					delete(results, k)
+				}
+			}
+			results[key] = res
+			return res, nil
+		})
+		return v.(result).err
+	}
 }
 
 // probeRedis probes the Redis a policy names in storage.redis, and returns why it is unreachable,

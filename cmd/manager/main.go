@@ -51,7 +51,7 @@ func main() {
 	flag.Float64Var(&qps, "kube-api-qps", 50, "Requests per second the manager may send to the API server.")
 	flag.IntVar(&burst, "kube-api-burst", 100, "Burst of requests the manager may send to the API server.")
 	flag.DurationVar(&probeInterval, "redis-probe-interval", time.Minute, "How often the manager checks that each policy's storage.redis accepts connections "+
-		"and reports Degraded RedisUnreachable when not; 0 disables the probe.")
+		"and reports Degraded RedisUnreachable when not; 0 disables the probe. Policies naming the same Redis share a probe's result for half the interval, at most 10s.")
 	wh.bind(flag.CommandLine)
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
@@ -92,7 +92,7 @@ func main() {
 		ProbeInterval: probeInterval,
 	}
 	if probeInterval > 0 {
-		reconciler.ProbeRedis = controllers.DialRedis
+		reconciler.ProbeRedis = controllers.SharedProbe(controllers.DialRedis, min(probeInterval/2, 10*time.Second))
 	}
 	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
 		log.Error(err, "Unable to set up the RateLimitPolicy controller")
