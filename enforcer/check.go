@@ -15,7 +15,6 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/policy"
 )
 
 // check is the forward-auth API for ingress controllers (ingress-nginx auth-url, Traefik
@@ -39,8 +38,8 @@ const missingOriginal = "the check API needs the original method and URI in X-Or
 
 func (c *check) serve(ctx *fasthttp.RequestCtx) {
 	header := fastHeader{&ctx.Request.Header}
-	method := firstOf(header, "X-Original-Method", "X-Forwarded-Method")
-	uri := firstOf(header, "X-Original-Url", "X-Forwarded-Uri")
+	method := header.first("X-Original-Method", "X-Forwarded-Method")
+	uri := header.first("X-Original-Url", "X-Forwarded-Uri")
 	if method == "" || uri == "" {
 		ctx.Error(missingOriginal, http.StatusBadRequest)
 		return
@@ -64,7 +63,7 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 	time.Sleep(res.Wait)
 }
 
-// fastHeader reads fasthttp's request header as a policy.Header.
+// fastHeader reads fasthttp's request header as a policy.Header (enforcer/policy).
 type fastHeader struct{ h *fasthttp.RequestHeader }
 
 func (f fastHeader) Values(name string) []string {
@@ -75,10 +74,11 @@ func (f fastHeader) Values(name string) []string {
 	return values
 }
 
-func firstOf(h policy.Header, names ...string) string {
+// first returns the first value of the first of the fields that has a non-empty one.
+func (f fastHeader) first(names ...string) string {
 	for _, n := range names {
-		if v := h.Values(n); len(v) > 0 && v[0] != "" {
-			return v[0]
+		if v := f.h.Peek(n); len(v) > 0 {
+			return string(v)
 		}
 	}
 	return ""

@@ -3,6 +3,7 @@ package policy
 import (
 	"math"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/dunglas/httpsfv"
@@ -33,15 +34,18 @@ func newFields(r *Rule) Fields {
 	return Fields{name: name, Policy: name + ";q=" + strconv.FormatInt(r.Limit.Limit, 10) + ";w=" + strconv.FormatInt(max(1, Seconds(quotaWindow(r.Limit))), 10)}
 }
 
-// Limit is the RateLimit member for remaining units r and a reset in t seconds.
+// Limit is the RateLimit member for remaining units r and a reset in t seconds, built in one
+// allocation: it is written on every response.
 func (f Fields) Limit(remaining, reset int64) string {
-	b := make([]byte, 0, len(f.name)+32)
-	b = append(b, f.name...)
-	b = append(b, ";r="...)
-	b = strconv.AppendInt(b, remaining, 10)
-	b = append(b, ";t="...)
-	b = strconv.AppendInt(b, reset, 10)
-	return string(b)
+	var num [20]byte
+	var b strings.Builder
+	b.Grow(len(f.name) + 2*len(";r=") + 2*len(num))
+	b.WriteString(f.name)
+	b.WriteString(";r=")
+	b.Write(strconv.AppendInt(num[:0], remaining, 10))
+	b.WriteString(";t=")
+	b.Write(strconv.AppendInt(num[:0], reset, 10))
+	return b.String()
 }
 
 // Seconds rounds a duration up to whole seconds: a client that waits them is never early.

@@ -50,3 +50,18 @@ func parse(t *testing.T, field string) httpsfv.Item {
 	}
 	return l[0].(httpsfv.Item)
 }
+
+// The limit member is written on every response: one allocation, for the string itself.
+func TestFieldsWhenLimitIsWrittenThenItAllocatesOnce(t *testing.T) {
+	c, err := policy.Compile(newPolicy(v1alpha1.Rule{Name: "hourly", FixedWindow: &v1alpha1.Window{Limit: 1000, Window: "1h"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := c.Rules[0].Fields
+	if n := testing.AllocsPerRun(100, func() { _ = f.Limit(123_456_789, 3600) }); n != 1 {
+		t.Errorf("%v allocations, want 1", n)
+	}
+	if got := f.Limit(123_456_789, 3600); got != `"hourly";r=123456789;t=3600` {
+		t.Errorf("Limit = %s", got)
+	}
+}
