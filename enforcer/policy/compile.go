@@ -99,7 +99,7 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 	atMost(len(p.Spec.TrustedProxies), maxProxies, spec.Child("trustedProxies"), &errs)
 	seen := map[string]bool{}
 	defaultOpen := p.Spec.DefaultFailureMode != v1alpha1.FailClosed
-	oneOf(&errs, spec.Child("defaultFailureMode"), p.Spec.DefaultFailureMode, true, failureModes)
+	oneOf(p.Spec.DefaultFailureMode, true, failureModes, spec.Child("defaultFailureMode"), &errs)
 	for i := range p.Spec.Rules {
 		r := &p.Spec.Rules[i]
 		path := spec.Child("rules").Index(i)
@@ -133,8 +133,8 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	if msgs := validation.IsDNS1123Label(r.Name); len(msgs) > 0 {
 		errs = append(errs, field.Invalid(path.Child("name"), r.Name, "must be a DNS label: "+strings.Join(msgs, "; ")))
 	}
-	oneOf(&errs, path.Child("mode"), r.Mode, true, ruleModes)
-	oneOf(&errs, path.Child("failureMode"), r.FailureMode, true, failureModes)
+	oneOf(r.Mode, true, ruleModes, path.Child("mode"), &errs)
+	oneOf(r.FailureMode, true, failureModes, path.Child("failureMode"), &errs)
 	switch r.FailureMode {
 	case v1alpha1.FailOpen:
 		rule.FailOpen = true
@@ -213,7 +213,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	if m := r.Match; m != nil {
 		p := path.Child("match")
 		for i, method := range m.Methods {
-			oneOf(&errs, p.Child("methods").Index(i), method, false, httpMethods)
+			oneOf(method, false, httpMethods, p.Child("methods").Index(i), &errs)
 			rule.Match.Methods = append(rule.Match.Methods, string(method))
 		}
 		if m.Path != nil {
@@ -221,7 +221,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 			if rule.Match.Path == "" {
 				rule.Match.Path = v1alpha1.PathMatchPrefix
 			}
-			oneOf(&errs, p.Child("path", "type"), rule.Match.Path, false, pathMatchTypes)
+			oneOf(rule.Match.Path, false, pathMatchTypes, p.Child("path", "type"), &errs)
 			if rule.Match.Path == v1alpha1.PathMatchRegularExpression {
 				re, err := regexp.Compile("^(?:" + m.Path.Value + ")$")
 				if err != nil {
@@ -252,7 +252,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	parts := map[KeySource]bool{}
 	for i, k := range r.Key {
 		ks := KeySource{Type: k.Type}
-		oneOf(&errs, path.Child("key").Index(i).Child("type"), k.Type, false, keySourceTypes)
+		oneOf(k.Type, false, keySourceTypes, path.Child("key").Index(i).Child("type"), &errs)
 		if k.Type == v1alpha1.KeyHeader {
 			if k.Name == nil || !validHeaderName(string(*k.Name)) {
 				errs = append(errs, field.Required(path.Child("key").Index(i).Child("name"), "a header name is required with type Header"))

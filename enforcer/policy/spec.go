@@ -67,7 +67,7 @@ func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.Error
 func validateRedis(r *v1alpha1.RedisStorage, p *field.Path) field.ErrorList {
 	var errs field.ErrorList
 	mode := r.Mode
-	oneOf(&errs, p.Child("mode"), mode, true, redisModes)
+	oneOf(mode, true, redisModes, p.Child("mode"), &errs)
 	if mode == "" {
 		mode = v1alpha1.RedisStandalone
 	}
@@ -142,7 +142,7 @@ var (
 )
 
 // oneOf adds an error when v is not one of an enum's values; optional enums skip the empty value.
-func oneOf[T ~string](errs *field.ErrorList, p *field.Path, v T, optional bool, values []T) {
+func oneOf[T ~string](v T, optional bool, values []T, p *field.Path, errs *field.ErrorList) {
 	if (optional && v == "") || slices.Contains(values, v) {
 		return
 	}
