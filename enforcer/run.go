@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -37,7 +38,11 @@ type Config struct {
 	Redis *store.RedisOptions
 	// MemoryMaxKeys bounds the memory store's keys. Default 1,000,000.
 	MemoryMaxKeys int
-	// ShutdownTimeout bounds the drain of in-flight requests at shutdown.
+	// ShutdownDelay is how long, once ctx is done, the enforcer keeps serving while /readyz
+	// fails, so that Service endpoints and load balancers drop it before its listeners close.
+	ShutdownDelay time.Duration
+	// ShutdownTimeout bounds the drain of in-flight requests after the delay: every request
+	// accepted by then is answered within it, leaky-bucket requests held in their queue included.
 	ShutdownTimeout time.Duration
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
@@ -52,14 +57,21 @@ type Enforcer struct {
 	cfg     Config
 	limiter *limiter.Limiter
 	store   store.Store
-	// shutdowns stop the servers, draining in-flight requests.
-	shutdowns []func(context.Context) error
-	wg        sync.WaitGroup
-	errs      chan error
-	reloads   *prometheus.CounterVec
+	// shutdowns stop the proxy and check servers, draining in-flight requests; adminShutdown
+	// stops the admin server last, so /readyz and /metrics answer throughout the drain.
+	shutdowns     []func(context.Context) error
+	adminShutdown func(context.Context) error
+	wg            sync.WaitGroup
+	errs          chan error
+	reloads       *prometheus.CounterVec
+	// stopping is set when the stop begins: /readyz fails from then on.
+	stopping atomic.Bool
+	// done closes when the enforcer has stopped; err is why, if anything failed.
+	done chan struct{}
+	err  error
 }
 
-// Run starts the enforcer and serves until ctx is done, then drains in-flight requests.
+// Run starts the enforcer and serves until ctx is done, then stops as Wait describes.
 func Run(ctx context.Context, cfg Config) error {
 	e, err := Start(ctx, cfg)
 	if err != nil {
@@ -68,7 +80,10 @@ func Run(ctx context.Context, cfg Config) error {
 	return e.Wait()
 }
 
-// Start loads the policies, opens the store, and starts the servers. They stop when ctx is done.
+// Start loads the policies, opens the store, and starts the servers. When ctx is done, or a
+// server fails, the enforcer stops: /readyz fails at once, the servers keep serving for
+// ShutdownDelay, then stop accepting and drain the requests in flight for up to ShutdownTimeout,
+// and only then is the store closed.
 func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if cfg.ReloadInterval <= 0 {
 		cfg.ReloadInterval = time.Second
@@ -94,17 +109,24 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	} else {
 		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys})
 	}
-	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3)}
+	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{})}
 	e.limiter.SetPolicies(policies)
 	e.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sluice_config_reloads_total", Help: "Policy file reloads by result (applied, refused).",
 	}, []string{"result"})
 	reg.MustRegister(e.reloads)
 
-	ready := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }
+	live := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }
+	ready := func(w http.ResponseWriter, r *http.Request) {
+		if e.stopping.Load() {
+			http.Error(w, "shutting down", http.StatusServiceUnavailable)
+			return
+		}
+		live(w, r)
+	}
 	admin := http.NewServeMux()
 	admin.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	admin.HandleFunc("/healthz", ready)
+	admin.HandleFunc("/healthz", live)
 	admin.HandleFunc("/readyz", ready)
 	if cfg.Pprof {
 		admin.HandleFunc("/debug/pprof/", pprof.Index)
@@ -130,32 +152,39 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	servers := []struct {
 		addr   *string
 		listen string
-		serve  func(net.Listener)
+		serve  func(net.Listener) func(context.Context) error
 	}{
+		{&e.AdminAddr, cfg.AdminListen, e.serveHTTP(admin)},
 		{&e.ProxyAddr, cfg.Listen, e.serveHTTP(proxyHandler)},
 		{&e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
-		{&e.AdminAddr, cfg.AdminListen, e.serveHTTP(admin)},
 	}
-	for _, s := range servers {
+	for i, s := range servers {
 		if s.listen == "" || s.serve == nil {
 			continue
 		}
 		ln, err := net.Listen("tcp", s.listen)
 		if err != nil {
-			e.shutdown()
+			e.stop(0)
 			return nil, fmt.Errorf("listen on %s: %w", s.listen, err)
 		}
 		*s.addr = ln.Addr().String()
-		s.serve(ln)
+		if shutdown := s.serve(ln); i == 0 {
+			e.adminShutdown = shutdown
+		} else {
+			e.shutdowns = append(e.shutdowns, shutdown)
+		}
 	}
-	e.wg.Add(1)
+	ctx, cancel := context.WithCancel(ctx)
+	e.wg.Go(func() { e.watch(ctx) })
 	go func() {
-		defer e.wg.Done()
-		e.watch(ctx)
-	}()
-	go func() {
-		<-ctx.Done()
-		e.shutdown()
+		delay := cfg.ShutdownDelay
+		select {
+		case <-ctx.Done():
+		case err := <-e.errs: // a server failed: stop the rest at once
+			e.err, delay = err, 0
+		}
+		cancel()
+		e.stop(delay)
 	}()
 	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr,
 		"policies", len(policies), "store", storeName(cfg))
@@ -170,12 +199,13 @@ func storeName(cfg Config) string {
 }
 
 // serveHTTP returns a function that runs a net/http server for h with limits against slow and
-// oversized clients, cleartext HTTP/2 (h2c) beside HTTP/1.1. Nil for a nil handler.
-func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) {
+// oversized clients, cleartext HTTP/2 (h2c) beside HTTP/1.1, and returns its shutdown. Nil for a
+// nil handler.
+func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Context) error {
 	if h == nil {
 		return nil
 	}
-	return func(ln net.Listener) {
+	return func(ln net.Listener) func(context.Context) error {
 		var protocols http.Protocols
 		protocols.SetHTTP1(true)
 		protocols.SetUnencryptedHTTP2(true)
@@ -186,7 +216,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) {
 			MaxHeaderBytes:    64 << 10,
 			Protocols:         &protocols,
 		}
-		e.run(func() error {
+		return e.run(func() error {
 			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 				return err
 			}
@@ -195,46 +225,62 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) {
 	}
 }
 
-// serveCheck returns a function that runs the check API's server.
-func (e *Enforcer) serveCheck(c *check) func(net.Listener) {
-	return func(ln net.Listener) {
+// serveCheck returns a function that runs the check API's server and returns its shutdown.
+func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {
+	return func(ln net.Listener) func(context.Context) error {
 		srv := newCheckServer(c, e.cfg.Log)
-		e.run(func() error { return srv.Serve(ln) }, srv.ShutdownWithContext)
+		return e.run(func() error { return srv.Serve(ln) }, srv.ShutdownWithContext)
 	}
 }
 
-// run serves in the background until shutdown is called.
-func (e *Enforcer) run(serve func() error, shutdown func(context.Context) error) {
-	e.shutdowns = append(e.shutdowns, shutdown)
+// run serves in the background and returns shutdown.
+func (e *Enforcer) run(serve func() error, shutdown func(context.Context) error) func(context.Context) error {
 	e.wg.Go(func() {
 		if err := serve(); err != nil {
-			e.errs <- err
+			select {
+			case e.errs <- err:
+			default: // the enforcer is stopping already
+			}
 		}
 	})
+	return shutdown
 }
 
-// shutdown stops accepting requests and drains the ones in flight.
-func (e *Enforcer) shutdown() {
-	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.ShutdownTimeout)
+// stop is the enforcer's end, in the order that loses no request: fail /readyz; keep serving for
+// ShutdownDelay while endpoints drop the pod; stop accepting and drain what is in flight; close
+// the store the drained requests were decided by; stop the admin server; report done.
+func (e *Enforcer) stop(delay time.Duration) {
+	defer close(e.done)
+	e.stopping.Store(true)
+	if delay > 0 {
+		e.cfg.Log.Info("Stopping: /readyz fails; serving on until the shutdown delay ends", "delay", delay)
+		time.Sleep(delay)
+	}
+	drain, cancel := context.WithTimeout(context.Background(), e.cfg.ShutdownTimeout)
 	defer cancel()
+	errs := make([]error, len(e.shutdowns))
 	var wg sync.WaitGroup
-	for _, shutdown := range e.shutdowns {
-		wg.Go(func() { _ = shutdown(ctx) })
+	for i, shutdown := range e.shutdowns {
+		wg.Go(func() { errs[i] = shutdown(drain) })
 	}
 	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		e.err = errors.Join(e.err, fmt.Errorf("drain in-flight requests within %v: %w", e.cfg.ShutdownTimeout, err))
+	}
+	if e.adminShutdown != nil {
+		_ = e.adminShutdown(drain)
+	}
+	e.wg.Wait() // the servers and the policy watch have returned
+	e.err = errors.Join(e.err, e.store.Close())
+	e.cfg.Log.Info("Stopped")
 }
 
-// Wait blocks until every server stopped, then closes the store.
+// Wait blocks until the enforcer has stopped: every request it accepted answered, the store
+// closed. It returns what went wrong, if anything: a server that failed, a drain that ran out
+// of time.
 func (e *Enforcer) Wait() error {
-	e.wg.Wait()
-	close(e.errs)
-	err := errors.Join(func() (errs []error) {
-		for err := range e.errs {
-			errs = append(errs, err)
-		}
-		return errs
-	}()...)
-	return errors.Join(err, e.store.Close())
+	<-e.done
+	return e.err
 }
 
 // Limiter is the enforcer's limiter.

@@ -71,7 +71,8 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
 	fs.DurationVar(&timeout, "redis-timeout", 50*time.Millisecond, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
-	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain at shutdown.")
+	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
 	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

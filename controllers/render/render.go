@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strings"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -35,6 +36,15 @@ const (
 	configDir  = "/etc/sluice"
 	PolicyFile = configDir + "/" + configKey
 	redisCADir = "/etc/sluice-redis-ca"
+)
+
+// The enforcer's stop on SIGTERM: it serves on with /readyz failing for shutdownDelay, while
+// endpoints drop the pod, then drains for up to shutdownTimeout. The pod's grace period covers
+// both, with a margin, so the kubelet never kills a drain that keeps its promise.
+const (
+	shutdownDelay   = 5 * time.Second
+	shutdownTimeout = 30 * time.Second
+	gracePeriod     = shutdownDelay + shutdownTimeout + 5*time.Second
 )
 
 // Annotations and labels.
@@ -125,6 +135,8 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		fmt.Sprintf("--listen=:%d", ProxyPort),
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
+		"--shutdown-delay=" + shutdownDelay.String(),
+		"--shutdown-timeout=" + shutdownTimeout.String(),
 	}
 	var env []corev1.EnvVar
 	var volumes []corev1.Volume
@@ -183,7 +195,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
 				Spec: corev1.PodSpec{
 					AutomountServiceAccountToken:  ptr.To(false),
-					TerminationGracePeriodSeconds: ptr.To[int64](35),
+					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod / time.Second)),
 					SecurityContext:               restrictedPod(),
 					TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{
 						MaxSkew:           1,

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"sigs.k8s.io/yaml"
@@ -106,5 +107,36 @@ func TestEnforcerWhenNameIsLongThenObjectNamesStayDNSLabels(t *testing.T) {
 	q.Name = strings.Repeat("a", 119) + "b"
 	if render.Name(p) == render.Name(q) {
 		t.Error("two long names share their objects' name")
+	}
+}
+
+// The kubelet kills a pod at the end of its grace period. The enforcer's stop takes up to
+// --shutdown-delay plus --shutdown-timeout, so the grace period must be longer than both.
+func TestEnforcerWhenRenderedThenTheGracePeriodCoversTheShutdownDelayAndDrain(t *testing.T) {
+	objs, err := render.Enforcer(readSample(t, "demo.yaml"), defaults)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := objs.Deployment.Spec.Template.Spec
+	var stop time.Duration
+	for _, arg := range pod.Containers[0].Args {
+		for _, flag := range []string{"--shutdown-delay=", "--shutdown-timeout="} {
+			if v, ok := strings.CutPrefix(arg, flag); ok {
+				d, err := time.ParseDuration(v)
+				if err != nil {
+					t.Fatalf("%s: %v", arg, err)
+				}
+				stop += d
+			}
+		}
+	}
+	if stop == 0 {
+		t.Fatal("the enforcer's args set neither --shutdown-delay nor --shutdown-timeout")
+	}
+	if pod.TerminationGracePeriodSeconds == nil || time.Duration(*pod.TerminationGracePeriodSeconds)*time.Second <= stop {
+		t.Errorf("terminationGracePeriodSeconds %v does not exceed the enforcer's stop of %v", pod.TerminationGracePeriodSeconds, stop)
+	}
+	if c := pod.Containers[0]; c.Lifecycle != nil && c.Lifecycle.PreStop != nil {
+		t.Error("a preStop hook would delay SIGTERM and eat the grace period; the enforcer delays by itself")
 	}
 }

@@ -36,15 +36,24 @@ const Namespace = "sluice-system"
 
 // Build compiles the manager and the enforcer into dir.
 func Build(ctx context.Context, dir string) (manager, enforcer string, err error) {
-	manager, enforcer = filepath.Join(dir, "manager"), filepath.Join(dir, "enforcer")
-	for bin, pkg := range map[string]string{manager: "./cmd/manager", enforcer: "./cmd/enforcer"} {
-		cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, pkg)
-		cmd.Dir = testenv.RepoRoot()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return "", "", fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
-		}
+	if manager, err = BuildCmd(ctx, dir, "manager"); err != nil {
+		return "", "", err
+	}
+	if enforcer, err = BuildCmd(ctx, dir, "enforcer"); err != nil {
+		return "", "", err
 	}
 	return manager, enforcer, nil
+}
+
+// BuildCmd compiles the binary ./cmd/<name> into dir and returns its path.
+func BuildCmd(ctx context.Context, dir, name string) (string, error) {
+	bin := filepath.Join(dir, name)
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/"+name)
+	cmd.Dir = testenv.RepoRoot()
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/%s: %w\n%s", name, err, out)
+	}
+	return bin, nil
 }
 
 // Process is a running binary.
@@ -80,6 +89,15 @@ func (p *Process) Exited() bool {
 	}
 }
 
+// Signal sends sig to the process.
+func (p *Process) Signal(sig os.Signal) error { return p.cmd.Process.Signal(sig) }
+
+// Wait waits for the process to end and returns how it ended: nil for exit status 0.
+func (p *Process) Wait() error {
+	<-p.done
+	return p.err
+}
+
 // Stop asks the process to end with SIGTERM, and kills it after 10 seconds.
 func (p *Process) Stop() {
 	if p == nil || p.Exited() {
@@ -104,8 +122,8 @@ func FreeAddr() (string, error) {
 	return l.Addr().String(), nil
 }
 
-// waitHTTP waits until url answers 200, or the process ends, or timeout passes.
-func waitHTTP(p *Process, url string, timeout time.Duration) error {
+// WaitHTTP waits until url answers 200, or the process ends, or timeout passes.
+func WaitHTTP(p *Process, url string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
 		resp, err := http.Get(url) //nolint:gosec // loopback address we chose
@@ -152,7 +170,7 @@ func StartManager(ctx context.Context, env *testenv.Env, bin, kubeconfig string,
 	if err != nil {
 		return nil, err
 	}
-	if err := waitHTTP(p, "http://"+probe+"/readyz", 60*time.Second); err != nil {
+	if err := WaitHTTP(p, "http://"+probe+"/readyz", 60*time.Second); err != nil {
 		p.Stop()
 		return nil, err
 	}
@@ -219,7 +237,7 @@ func RunEnforcer(ctx context.Context, k8s client.Client, bin string, policy type
 		return nil, err
 	}
 	e.Process = p
-	if err := waitHTTP(p, e.AdminURL+"/readyz", 30*time.Second); err != nil {
+	if err := WaitHTTP(p, e.AdminURL+"/readyz", 30*time.Second); err != nil {
 		p.Stop()
 		return nil, err
 	}

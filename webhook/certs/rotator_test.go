@@ -121,19 +121,26 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 }
 
 // servedAndTrusted dials the webhook server and checks its certificate against the caBundle that
-// both webhook configurations carry now.
+// both webhook configurations carry now. The rotator writes the two one after the other, so a
+// read between the writes sees them differ; they must agree again within a second.
 func servedAndTrusted(ctx context.Context, k8s client.Client, addr, host string) (*x509.Certificate, error) {
-	var mutating admissionregistrationv1.MutatingWebhookConfiguration
-	var validating admissionregistrationv1.ValidatingWebhookConfiguration
-	if err := k8s.Get(ctx, client.ObjectKey{Name: "mutating-webhook-configuration"}, &mutating); err != nil {
-		return nil, err
-	}
-	if err := k8s.Get(ctx, client.ObjectKey{Name: "validating-webhook-configuration"}, &validating); err != nil {
-		return nil, err
-	}
-	bundle := mutating.Webhooks[0].ClientConfig.CABundle
-	if string(bundle) != string(validating.Webhooks[0].ClientConfig.CABundle) {
-		return nil, fmt.Errorf("the two configurations carry different CA bundles")
+	var bundle []byte
+	for deadline := time.Now().Add(time.Second); ; time.Sleep(50 * time.Millisecond) {
+		var mutating admissionregistrationv1.MutatingWebhookConfiguration
+		var validating admissionregistrationv1.ValidatingWebhookConfiguration
+		if err := k8s.Get(ctx, client.ObjectKey{Name: "mutating-webhook-configuration"}, &mutating); err != nil {
+			return nil, err
+		}
+		if err := k8s.Get(ctx, client.ObjectKey{Name: "validating-webhook-configuration"}, &validating); err != nil {
+			return nil, err
+		}
+		bundle = mutating.Webhooks[0].ClientConfig.CABundle
+		if string(bundle) == string(validating.Webhooks[0].ClientConfig.CABundle) {
+			break
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("the two configurations carry different CA bundles for over a second")
+		}
 	}
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(bundle)

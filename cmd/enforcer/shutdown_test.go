@@ -1,0 +1,264 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/test/redistest"
+)
+
+var (
+	enforcerBin  string
+	enforcerErr  error
+	enforcerOnce sync.Once
+)
+
+// binary builds the enforcer once per test run: tests of what users run start the real binary.
+func binary(t *testing.T) string {
+	t.Helper()
+	enforcerOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "sluice-enforcer-bin")
+		if err != nil {
+			enforcerErr = err
+			return
+		}
+		enforcerBin, enforcerErr = local.BuildCmd(context.Background(), dir, "enforcer")
+	})
+	if enforcerErr != nil {
+		t.Fatal(enforcerErr)
+	}
+	return enforcerBin
+}
+
+const shutdownPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: drain, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  rules:
+    - name: slow
+      match: {path: {value: /slow}}
+      fixedWindow: {limit: 1000, window: 1h}
+    - name: queue
+      match: {path: {value: /queue}}
+      leakyBucket: {capacity: 10, drain: {requests: 1, period: 250ms}}
+    - name: held
+      match: {path: {value: /held}}
+      leakyBucket: {capacity: 10, drain: {requests: 1, period: 250ms}}
+`
+
+// On SIGTERM the real binary fails /readyz at once, keeps serving through --shutdown-delay, then
+// stops accepting and answers every request it had accepted (a slow upstream, a leaky-bucket
+// queue on the proxy, answers held by the check API), and exits 0 only after the last of them.
+func TestEnforcerBinaryWhenSIGTERMThenEveryAcceptedRequestIsAnsweredBeforeExit0(t *testing.T) {
+	for _, storeName := range []string{"memory", "redis"} {
+		t.Run("when the store is "+storeName, func(t *testing.T) {
+			var storeFlags []string
+			if storeName == "redis" {
+				storeFlags = []string{"--redis-url=redis://" + redistest.NewServer(t).Addr() + "/0", "--redis-timeout=2s"}
+			}
+			testShutdown(t, storeFlags)
+		})
+	}
+}
+
+func testShutdown(t *testing.T, storeFlags []string) {
+	bin := binary(t)
+	var slowSeen sync.WaitGroup
+	slowSeen.Add(10)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			slowSeen.Done()
+			time.Sleep(3 * time.Second)
+		}
+		_, _ = io.WriteString(w, "ok")
+	}))
+	defer up.Close()
+
+	dir := t.TempDir()
+	file := filepath.Join(dir, "policy.yaml")
+	if err := os.WriteFile(file, []byte(shutdownPolicy), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	addrs := make([]string, 3)
+	for i := range addrs {
+		a, err := local.FreeAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		addrs[i] = a
+	}
+	proxy, check, admin := addrs[0], addrs[1], addrs[2]
+	log := &syncWriter{}
+	p, err := local.Start("enforcer", log, bin, append([]string{
+		"--policy=" + file, "--upstream=" + up.URL,
+		"--listen=" + proxy, "--check-listen=" + check, "--admin-listen=" + admin,
+		"--shutdown-delay=1s", "--shutdown-timeout=20s",
+	}, storeFlags...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Stop()
+	if err := local.WaitHTTP(p, "http://"+admin+"/readyz", 30*time.Second); err != nil {
+		t.Fatalf("%v\n%s", err, log.String())
+	}
+
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 30 * time.Second}
+	type answer struct {
+		kind   string
+		status int
+		err    error
+		at     time.Time
+	}
+	answers := make(chan answer, 31)
+	send := func(kind string, req *http.Request) {
+		resp, err := client.Do(req)
+		a := answer{kind: kind, err: err}
+		if err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			_ = resp.Body.Close()
+			a.status = resp.StatusCode
+		}
+		a.at = time.Now()
+		answers <- a
+	}
+	for range 10 {
+		slow, _ := http.NewRequest(http.MethodGet, "http://"+proxy+"/slow", nil)
+		queued, _ := http.NewRequest(http.MethodGet, "http://"+proxy+"/queue", nil)
+		held, _ := http.NewRequest(http.MethodGet, "http://"+check+"/", nil)
+		held.Header.Set("X-Forwarded-Method", "GET")
+		held.Header.Set("X-Forwarded-Uri", "/held")
+		go send("slow upstream", slow)
+		go send("leaky queue", queued)
+		go send("check API hold", held)
+	}
+	// Every request is in flight: the slow ones reached the upstream, the queued and held ones
+	// were admitted with a wait of up to 2.25 s.
+	slowSeen.Wait()
+	for _, rule := range []string{"queue", "held"} {
+		waitMetric(t, admin, fmt.Sprintf(`sluice_decisions_total{policy="test/drain",result="allowed",rule=%q}`, rule), 10)
+	}
+
+	if err := p.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	signalled := time.Now()
+	if !eventually(2*time.Second, func() bool { return status(client, "http://"+admin+"/readyz") == http.StatusServiceUnavailable }) {
+		t.Error("/readyz still answers 200 after SIGTERM")
+	}
+	// During the delay the listeners still accept: endpoints may not have dropped the pod yet.
+	if time.Since(signalled) < 500*time.Millisecond {
+		if s := status(client, "http://"+proxy+"/slow-not"); s != http.StatusOK {
+			t.Errorf("a request sent during the shutdown delay got %d, want 200", s)
+		}
+	}
+	// After the delay the proxy refuses new connections while the drain goes on.
+	if !eventually(5*time.Second, func() bool {
+		c, err := net.DialTimeout("tcp", proxy, time.Second)
+		if err == nil {
+			_ = c.Close()
+		}
+		return err != nil
+	}) {
+		t.Error("the proxy still accepts connections 5 s after the shutdown delay")
+	}
+
+	var last time.Time
+	for range 30 {
+		a := <-answers
+		if a.err != nil || a.status != http.StatusOK {
+			t.Errorf("%s: status %d, error %v; want 200", a.kind, a.status, a.err)
+		}
+		if a.at.After(last) {
+			last = a.at
+		}
+	}
+	if err := p.Wait(); err != nil {
+		t.Errorf("exit: %v, want status 0\n%s", err, log.String())
+	}
+	if exited := time.Now(); exited.Before(last) {
+		t.Errorf("exited at %v, before the last answer at %v", exited, last)
+	}
+	if d := last.Sub(signalled); d < time.Second {
+		t.Errorf("the last answer came %v after SIGTERM; the slow upstream alone takes longer, so the drain did not wait", d)
+	}
+}
+
+func status(c *http.Client, u string) int {
+	resp, err := c.Get(u)
+	if err != nil {
+		return 0
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// eventually polls cond every 20 ms until it holds or timeout passes.
+func eventually(timeout time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
+
+// waitMetric waits until the admin server's /metrics shows series at want.
+func waitMetric(t *testing.T, admin, series string, want float64) {
+	t.Helper()
+	var got float64
+	if !eventually(10*time.Second, func() bool {
+		got = scrape(admin, series)
+		return got == want
+	}) {
+		t.Fatalf("%s = %v, want %v", series, got, want)
+	}
+}
+
+func scrape(admin, series string) float64 {
+	resp, err := http.Get("http://" + admin + "/metrics") //nolint:gosec // loopback address we chose
+	if err != nil {
+		return -1
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, _ := io.ReadAll(resp.Body)
+	for line := range strings.SplitSeq(string(body), "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			var f float64
+			_, _ = fmt.Sscan(v, &f)
+			return f
+		}
+	}
+	return 0
+}
+
+// syncWriter lets the child's stdout and stderr share one buffer that the test reads.
+type syncWriter struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncWriter) Write(b []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(b)
+}
+
+func (s *syncWriter) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
