@@ -9,6 +9,7 @@ package algorithm
 
 import (
 	"math"
+	"strconv"
 	"time"
 )
 
@@ -76,6 +77,23 @@ type Decision struct {
 	// Wait is, for an admitted leaky-bucket request, how long to hold it before forwarding.
 	Wait time.Duration
 }
+
+// Layout names how a key's stored state is to be read: the algorithm and, for the window
+// algorithms, the window length that their stored window index counts in. Stores put it in
+// every key, so a rule whose algorithm or window changes under the same name starts from fresh
+// state instead of misreading the old one (a sorted set read as a bucket is an error in Redis, a
+// window index of another length a wrong count). Parameters that do not change how the state
+// reads, such as a capacity or a refill rate, are left out: raising a limit keeps the counters.
+func (l Limit) Layout() string {
+	switch l.Kind {
+	case FixedWindow, SlidingWindowCounter:
+		return l.Kind.letter() + strconv.FormatInt(l.Period.Milliseconds(), 36)
+	}
+	return l.Kind.letter()
+}
+
+// letter is the kind's one-letter tag in Layout.
+func (k Kind) letter() string { return string("?tlfsc"[min(int(k), 5)]) }
 
 // Micros converts a time to microseconds since the epoch, the unit of State.
 func Micros(t time.Time) float64 { return float64(t.UnixMicro()) }

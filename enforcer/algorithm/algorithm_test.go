@@ -234,3 +234,36 @@ func TestEveryAlgorithmWhenResetPassesThenTheFullLimitIsAvailable(t *testing.T) 
 		})
 	}
 }
+
+func TestLayoutWhenTheStateWouldReadDifferentlyThenTheLayoutDiffers(t *testing.T) {
+	tb := algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 10, Rate: 1, Period: time.Second}
+	fw := algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: time.Hour}
+	cases := []struct {
+		name string
+		a, b algorithm.Limit
+		same bool
+	}{
+		{"when a bucket's capacity and rate change then its state still reads the same", tb,
+			algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 99, Rate: 7, Period: time.Minute}, true},
+		{"when a window's limit changes then its state still reads the same", fw,
+			algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 99, Period: time.Hour}, true},
+		{"when a window's length changes then its stored index means another window", fw,
+			algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: time.Minute}, false},
+		{"when a counter's window length changes then its stored index means another window",
+			algorithm.Limit{Kind: algorithm.SlidingWindowCounter, Limit: 10, Period: time.Hour},
+			algorithm.Limit{Kind: algorithm.SlidingWindowCounter, Limit: 10, Period: time.Minute}, false},
+	}
+	for _, c := range cases {
+		if got := c.a.Layout() == c.b.Layout(); got != c.same {
+			t.Errorf("%s: layouts %q and %q, same = %v", c.name, c.a.Layout(), c.b.Layout(), got)
+		}
+	}
+	seen := map[string]algorithm.Kind{}
+	for k := algorithm.TokenBucket; k <= algorithm.SlidingWindowCounter; k++ {
+		l := algorithm.Limit{Kind: k, Limit: 10, Rate: 1, Period: time.Hour}.Layout()
+		if other, ok := seen[l]; ok {
+			t.Errorf("%v and %v share the layout %q", k, other, l)
+		}
+		seen[l] = k
+	}
+}

@@ -28,6 +28,9 @@ type refusalKey struct{ tag, rule string }
 type refusal struct {
 	until time.Time
 	cost  int64
+	// limit is the rule's limit when the store refused: a reloaded rule with another limit
+	// (a raised capacity, say) is asked again.
+	limit algorithm.Limit
 	d     algorithm.Decision
 }
 
@@ -61,7 +64,7 @@ func (c *refusalCache) put(check *store.Check, d algorithm.Decision, now time.Ti
 			return
 		}
 	}
-	sh.m[k] = refusal{until: now.Add(d.RetryAfter), cost: check.Cost, d: d}
+	sh.m[k] = refusal{until: now.Add(d.RetryAfter), cost: check.Cost, limit: check.Limit, d: d}
 }
 
 // get returns the cached refusal of a check, with its retry-after and reset brought to now.
@@ -75,7 +78,7 @@ func (c *refusalCache) get(check *store.Check, now time.Time) (algorithm.Decisio
 		ok = false
 	}
 	sh.mu.Unlock()
-	if !ok || check.Cost < r.cost {
+	if !ok || check.Cost < r.cost || check.Limit != r.limit {
 		return algorithm.Decision{}, false
 	}
 	d := r.d

@@ -144,7 +144,7 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
 			}
-			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: lastTag, Rule: r.Name})
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey})
 			rules = append(rules, matched{r, p.ID})
 		}
 	}

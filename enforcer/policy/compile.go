@@ -39,7 +39,9 @@ type Policy struct {
 
 // Rule is a compiled rule.
 type Rule struct {
-	Name     string
+	Name string
+	// StateKey names the rule's state in a store: its name and its Limit's Layout.
+	StateKey string
 	Limit    algorithm.Limit
 	Cost     int64
 	Enforce  bool
@@ -268,6 +270,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	}
 	if len(errs) == 0 {
 		rule.Fields = newFields(&rule)
+		rule.StateKey = rule.Name + ":" + rule.Limit.Layout()
 	}
 	return rule, errs
 }

@@ -25,7 +25,8 @@ type Check struct {
 	// The Redis key of a check is sluice:{Tag}:Rule, so rules that share a client key share a
 	// Redis Cluster hash slot.
 	Tag string
-	// Rule is the rule's name.
+	// Rule names the rule's state: the rule's name and its algorithm's state layout,
+	// "<name>:<layout>" (policy.Rule.StateKey).
 	Rule string
 }
 
