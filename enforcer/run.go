@@ -97,7 +97,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	opts := limiter.Options{Metrics: limiter.NewMetrics(reg)}
+	opts := limiter.Options{Metrics: limiter.NewMetrics(reg), Log: cfg.Log}
 	if cfg.Redis != nil {
 		rs, err := store.NewRedis(*cfg.Redis)
 		if err != nil {

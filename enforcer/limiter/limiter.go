@@ -6,9 +6,11 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
@@ -54,9 +56,6 @@ type Result struct {
 	Decision algorithm.Decision
 }
 
-// ErrStoreUnavailable is the cause of Unavailable results.
-var ErrStoreUnavailable = errors.New("rate-limit store unavailable")
-
 // Limiter decides requests. It is safe for concurrent use; SetPolicies swaps the rules without
 // disturbing requests in flight.
 type Limiter struct {
@@ -66,6 +65,10 @@ type Limiter struct {
 	refusals *refusalCache
 	metrics  *Metrics
 	now      func() time.Time
+	log      logr.Logger
+	// faulty holds the "<policy>/<rule>" of every rule whose decision has failed with a fault, so
+	// each is logged once.
+	faulty sync.Map
 }
 
 // Options configure a Limiter.
@@ -81,6 +84,8 @@ type Options struct {
 	// it is refused until.
 	RefusalCache bool
 	Now          func() time.Time
+	// Log receives the first fault of each rule (see store.ErrFault).
+	Log logr.Logger
 }
 
 // New returns a limiter with no policies.
@@ -91,13 +96,16 @@ func New(opts Options) *Limiter {
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
 	}
-	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now}
+	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now, log: opts.Log}
 	if opts.BreakerFailures > 0 {
 		l.breaker = gobreaker.NewCircuitBreaker[bool](gobreaker.Settings{
 			Name:        "store",
 			MaxRequests: 1,
 			Timeout:     opts.BreakerOpen,
 			ReadyToTrip: func(c gobreaker.Counts) bool { return c.ConsecutiveFailures >= opts.BreakerFailures },
+			// A fault is the decision's own, not the store's: it must not stop every other rule
+			// and client from reaching a store that answers.
+			IsSuccessful: func(err error) bool { return err == nil || errors.Is(err, store.ErrFault) },
 			OnStateChange: func(_ string, _, to gobreaker.State) {
 				opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[to != gobreaker.StateClosed])
 			},
@@ -181,8 +189,17 @@ func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algori
 // failureModes decides when the store cannot: fail-open rules let the request through, and any
 // enforced fail-closed rule refuses it with 503.
 func (l *Limiter) failureModes(rules []matched, err error) Result {
-	if !errors.Is(err, gobreaker.ErrOpenState) && !errors.Is(err, gobreaker.ErrTooManyRequests) {
-		l.metrics.storeErrors.Inc()
+	switch {
+	case errors.Is(err, store.ErrFault):
+		l.metrics.storeErrors.WithLabelValues(causeFault).Inc()
+		for _, m := range rules {
+			if _, seen := l.faulty.LoadOrStore(m.policy+"/"+m.rule.Name, true); !seen {
+				l.log.Error(err, "A rule's decision failed in the store; it applies its failure mode until fixed. Logged once per rule",
+					"policy", m.policy, "rule", m.rule.Name, "failOpen", !m.rule.Enforce || m.rule.FailOpen)
+			}
+		}
+	case !errors.Is(err, gobreaker.ErrOpenState) && !errors.Is(err, gobreaker.ErrTooManyRequests):
+		l.metrics.storeErrors.WithLabelValues(causeUnavailable).Inc()
 	}
 	res := Result{Outcome: Allowed}
 	for _, m := range rules {

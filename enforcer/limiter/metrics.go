@@ -4,6 +4,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
+// Causes of store errors, the values of the cause label.
+const (
+	causeUnavailable = "unavailable"
+	causeFault       = "fault"
+)
+
 // Decision results, the values of the result label.
 const (
 	resultAllowed       = "allowed"
@@ -18,7 +24,7 @@ const (
 type Metrics struct {
 	decisions    *prometheus.CounterVec
 	storeLatency prometheus.Histogram
-	storeErrors  prometheus.Counter
+	storeErrors  *prometheus.CounterVec
 	cacheHits    prometheus.Counter
 	breakerOpen  prometheus.Gauge
 }
@@ -35,10 +41,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:    "Latency of one store decision, all rules of a request together.",
 			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25},
 		}),
-		storeErrors: prometheus.NewCounter(prometheus.CounterOpts{
+		storeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "sluice_store_errors_total",
-			Help: "Store decisions that failed (timeouts, refused connections), after which rules applied their failure modes.",
-		}),
+			Help: "Store decisions that failed, after which rules applied their failure modes, by cause: unavailable (timeouts, refused connections, a server that cannot serve) or fault (a script error, a key of the wrong type: a bug or a configuration problem of the decision's rules).",
+		}, []string{"cause"}),
 		cacheHits: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "sluice_refusal_cache_hits_total",
 			Help: "Requests refused from the local refusal cache without asking the store.",

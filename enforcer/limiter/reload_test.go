@@ -53,16 +53,7 @@ spec:
 // rule would answer Unavailable) and the new rule admits exactly its limit from its first
 // decision.
 func TestLimiterWhenARuleChangesAlgorithmUnderTrafficThenTheNewRuleIsExactFromItsFirstDecision(t *testing.T) {
-	stores := map[string]func(t *testing.T) store.Store{
-		"memory": func(*testing.T) store.Store { return store.NewMemory(store.MemoryOptions{}) },
-		"redis standalone": func(t *testing.T) store.Store {
-			return redisStore(t, store.RedisOptions{Addrs: []string{redistest.NewServer(t).Addr()}, Timeout: 2 * time.Second})
-		},
-		"redis cluster": func(t *testing.T) store.Store {
-			return redisStore(t, store.RedisOptions{Mode: store.Cluster, Addrs: redistest.NewCluster(t, 3).Addrs(), Timeout: 2 * time.Second})
-		},
-	}
-	for storeName, newStore := range stores {
+	for storeName, newStore := range testStores() {
 		t.Run(storeName, func(t *testing.T) {
 			s := newStore(t)
 			for from, fromRule := range algorithms {
@@ -78,6 +69,19 @@ func TestLimiterWhenARuleChangesAlgorithmUnderTrafficThenTheNewRuleIsExactFromIt
 				}
 			}
 		})
+	}
+}
+
+// testStores start each kind of store: memory, a Redis server, a 3-master Redis Cluster.
+func testStores() map[string]func(t *testing.T) store.Store {
+	return map[string]func(t *testing.T) store.Store{
+		"memory": func(*testing.T) store.Store { return store.NewMemory(store.MemoryOptions{}) },
+		"redis standalone": func(t *testing.T) store.Store {
+			return redisStore(t, standaloneOptions(redistest.NewServer(t).Addr()))
+		},
+		"redis cluster": func(t *testing.T) store.Store {
+			return redisStore(t, store.RedisOptions{Mode: store.Cluster, Addrs: redistest.NewCluster(t, 3).Addrs(), Timeout: 2 * time.Second})
+		},
 	}
 }
 

@@ -85,18 +85,20 @@ func (s *Memory) shardOf(c *Check) int {
 	return int(maphash.String(s.seed, c.Tag) % memoryShards)
 }
 
-// maxChecks bounds the rules of one decision, as the API bounds the rules of one policy.
-const maxChecks = 32
+// commonChecks is how many rules a decision may have before its bookkeeping allocates. Any
+// number is decided: the rules of all matching policies, which no bound of one policy limits.
+const commonChecks = 32
 
 // Decide implements Store.
 func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
-	switch {
-	case len(checks) > maxChecks:
-		return false, errTooManyChecks
-	case len(checks) == 1:
+	if len(checks) == 1 {
 		return s.decideOne(&checks[0], out)
 	}
-	var idx, locked [maxChecks]int
+	var idxBuf, lockedBuf [commonChecks]int
+	idx, locked := idxBuf[:], lockedBuf[:]
+	if len(checks) > commonChecks {
+		idx, locked = make([]int, len(checks)), make([]int, len(checks))
+	}
 	n := 0
 	for i := range checks {
 		idx[i] = s.shardOf(&checks[i])

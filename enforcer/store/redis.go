@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -150,16 +151,13 @@ func (s *Redis) Close() error {
 
 // Decide implements Store.
 func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
-	if len(checks) > maxChecks {
-		return false, errTooManyChecks
-	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	id := s.idBase + strconv.FormatUint(s.seq.Add(1), 36)
 
 	if !s.cluster {
 		// One server holds every key: one script decides them all.
-		ok, _, err := s.run(ctx, checks, allChecks[:len(checks)], id, out)
+		ok, _, err := s.run(ctx, checks, indexes(len(checks)), id, out)
 		return ok, err
 	}
 	groups := s.groups(checks)
@@ -170,7 +168,7 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 	// Cluster, several tags: each group is decided by its own script; any refusal refunds the
 	// groups that charged.
 	all := true
-	var chargedAt [maxChecks]int64
+	chargedAt := make([]int64, len(groups))
 	for gi, g := range groups {
 		ok, at, err := s.run(ctx, checks, g, id, out)
 		if err != nil {
@@ -189,10 +187,19 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 	return all, nil
 }
 
-var errTooManyChecks = fmt.Errorf("more than %d rules in one decision", maxChecks)
+// indexes returns 0..n-1, without allocating for the common decision.
+func indexes(n int) []int {
+	if n <= len(commonIndexes) {
+		return commonIndexes[:n]
+	}
+	idx := make([]int, n)
+	for i := range idx {
+		idx[i] = i
+	}
+	return idx
+}
 
-// allChecks indexes every check of a decision, without allocating per request.
-var allChecks = func() (idx [maxChecks]int) {
+var commonIndexes = func() (idx [commonChecks]int) {
 	for i := range idx {
 		idx[i] = i
 	}
@@ -245,9 +252,24 @@ func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string,
 		reply, err = decideScript.Run(ctx, s.client, keys, args...).Result()
 	}
 	if err != nil {
+		if scriptFault(err) {
+			err = fmt.Errorf("%w: %w", ErrFault, err)
+		}
 		return false, 0, fmt.Errorf("run the decide script: %w", err)
 	}
 	return decodeDecisions(reply, checks, group, out)
+}
+
+// scriptFault reports whether Redis ran the script and the script failed: a runtime error
+// ("ERR user_script:...") or a command on a key of the wrong type. Other error replies (LOADING,
+// READONLY, MASTERDOWN, CLUSTERDOWN, NOAUTH, OOM, ...) say that the server cannot serve anyone.
+func scriptFault(err error) bool {
+	var reply redis.Error
+	if !errors.As(err, &reply) {
+		return false // a timeout, a refused connection: no reply at all
+	}
+	msg := reply.Error()
+	return strings.HasPrefix(msg, "WRONGTYPE ") || strings.HasPrefix(msg, "ERR ") && strings.Contains(msg, "script")
 }
 
 // decodeDecisions reads the decide script's reply: {charged, now_us, then per rule allowed,

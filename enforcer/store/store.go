@@ -8,6 +8,7 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
 )
@@ -43,8 +44,14 @@ type Store interface {
 	Close() error
 }
 
+// ErrFault marks a decision that failed for a fault of its own, a bug or a configuration
+// problem, rather than because the store is unavailable: a script error, a key of the wrong type,
+// a reply that does not decode. Other rules and clients are unaffected, so it must not count
+// against the store's availability.
+var ErrFault = errors.New("decision fault")
+
 // ErrUnexpectedReply means Redis answered a script with something the store cannot decode.
-var ErrUnexpectedReply = errors.New("unexpected reply from the decide script")
+var ErrUnexpectedReply = fmt.Errorf("%w: unexpected reply from the decide script", ErrFault)
 
 // charged reports whether every enforced check allowed.
 func charged(checks []Check, out []algorithm.Decision) bool {
