@@ -213,7 +213,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 			Handler:           h,
 			ReadHeaderTimeout: 10 * time.Second,
 			IdleTimeout:       120 * time.Second,
-			MaxHeaderBytes:    64 << 10,
+			MaxHeaderBytes:    maxHeaderBytes,
 			Protocols:         &protocols,
 		}
 		return e.run(func() error {
@@ -224,6 +224,12 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 		}, srv.Shutdown)
 	}
 }
+
+// maxHeaderBytes makes net/http answer 431 to a request line and header block over 64 KiB, as
+// the check API does: it reads MaxHeaderBytes plus 4096 bytes of slack, and with h2c on it
+// reads the first bytes of a connection, as long as "PRI * HTTP/2.0", to sniff for the HTTP/2
+// preface before it starts counting.
+const maxHeaderBytes = 64<<10 - 4096 - len("PRI * HTTP/2.0")
 
 // serveCheck returns a function that runs the check API's server and returns its shutdown.
 func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {
