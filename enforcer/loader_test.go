@@ -3,6 +3,7 @@ package enforcer_test
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -31,5 +32,54 @@ func TestLoadWhenPolicyIsInvalidThenRefusedNamingTheFieldAsTheAPIServerDoes(t *t
 				t.Errorf("err = %v, want it to name %s (%s)", err, c.Field, c.Message)
 			}
 		})
+	}
+}
+
+// Outside the API server the loader holds a file to the CRD's own schema: a value outside an
+// enum is never read as the default (failureMode: closed as Open, an unknown path type as every
+// path), and the amounts' and lists' bounds that the algorithms and Redis keys rely on hold.
+func TestLoadWhenAFileBreaksTheSchemaThenTheFieldIsNamed(t *testing.T) {
+	manyRules := ""
+	for i := range 33 {
+		manyRules += "    - {name: r" + strconv.Itoa(i) + ", fixedWindow: {limit: 5, window: 1s}}\n"
+	}
+	cases := []struct {
+		name, spec, field string
+	}{
+		{"when a limit is zero then the limit is named", "  rules:\n    - {name: a, slidingLog: {limit: 0, window: 1s}}\n", "spec.rules[0].slidingLog.limit"},
+		{"when failureMode is misspelt then failureMode is named", "  rules:\n    - {name: a, failureMode: closed, fixedWindow: {limit: 5, window: 1s}}\n", "spec.rules[0].failureMode"},
+		{"when mode is unknown then mode is named", "  rules:\n    - {name: a, mode: Audit, fixedWindow: {limit: 5, window: 1s}}\n", "spec.rules[0].mode"},
+		{"when the path type is unknown then the type is named", "  rules:\n    - {name: a, match: {path: {type: PathPrefix, value: /a}}, fixedWindow: {limit: 5, window: 1s}}\n", "spec.rules[0].match.path.type"},
+		{"when a method is not a method then it is named", "  rules:\n    - {name: a, match: {methods: [GET, get]}, fixedWindow: {limit: 5, window: 1s}}\n", "spec.rules[0].match.methods[1]"},
+		{"when a key type is unknown then it is named", "  rules:\n    - {name: a, key: [{type: ClientIP}], fixedWindow: {limit: 5, window: 1s}}\n", "spec.rules[0].key[0].type"},
+		{"when a rule name is not a DNS label then the name is named", "  rules:\n    - {name: Burst Limit, fixedWindow: {limit: 5, window: 1s}}\n", "spec.rules[0].name"},
+		{"when a limit is over a billion then the limit is named", "  rules:\n    - {name: a, fixedWindow: {limit: 5000000000, window: 1s}}\n", "spec.rules[0].fixedWindow.limit"},
+		{"when a queue is over a million then the capacity is named", "  rules:\n    - {name: a, leakyBucket: {capacity: 2000000, drain: {requests: 1, period: 1s}}}\n", "spec.rules[0].leakyBucket.capacity"},
+		{"when there are 33 rules then rules is named", "  rules:\n" + manyRules, "spec.rules"},
+		{"when defaultFailureMode is misspelt then it is named", "  defaultFailureMode: closed\n  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\n", "spec.defaultFailureMode"},
+		{"when the metadata name is not a name then it is named", "  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\n", "metadata.name"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			name := "api"
+			if c.field == "metadata.name" {
+				name = "Not_A_Name"
+			}
+			doc := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: " + name + ", namespace: shop}\nspec:\n  targetRef: {name: api, port: 80}\n" + c.spec
+			_, err := enforcer.Load([]byte(doc))
+			if err == nil || !strings.Contains(err.Error(), c.field+":") {
+				t.Errorf("err = %v, want it to name %s", err, c.field)
+			}
+		})
+	}
+}
+
+// The store comes from flags: a file that names one is refused with a message that says so.
+func TestLoadWhenAFileNamesItsStorageThenItIsRefusedPointingToTheFlags(t *testing.T) {
+	doc := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: api, namespace: shop}\nspec:\n  targetRef: {name: api, port: 80}\n" +
+		"  storage: {redis: {addresses: [\"redis:6379\"]}}\n  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\n"
+	_, err := enforcer.Load([]byte(doc))
+	if err == nil || !strings.Contains(err.Error(), "spec.storage: Forbidden") || !strings.Contains(err.Error(), "--redis-url") {
+		t.Errorf("err = %v, want spec.storage refused, naming the flags", err)
 	}
 }

@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
@@ -56,47 +55,21 @@ type Defaulter struct {
 
 var _ admission.Defaulter[*v1alpha1.RateLimitPolicy] = &Defaulter{}
 
-// Default fills in the policy. It runs before the schema is checked, so it must not assume that
-// the policy is valid.
+// Default fills in what depends on the manager or on other fields. Constant defaults (cost,
+// mode, path type, defaultFailureMode, Redis mode, passwordKey, maxMemory) are the schema's,
+// which the API server applies before this webhook runs; setting them here again would only turn
+// an explicit invalid value such as mode: "" into a valid one, which a standalone enforcer's
+// loader, judging by the schema alone, would refuse. A rule without a failureMode follows
+// defaultFailureMode when compiled, so that changing defaultFailureMode changes every such rule.
+// It runs before the schema is checked, so it must not assume that the policy is valid.
 func (d *Defaulter) Default(_ context.Context, p *v1alpha1.RateLimitPolicy) error {
 	s := &p.Spec
-	if s.DefaultFailureMode == "" {
-		s.DefaultFailureMode = v1alpha1.FailOpen
-	}
-	for i := range s.Rules {
-		r := &s.Rules[i]
-		if r.Cost == nil {
-			r.Cost = ptr.To[int64](1)
-		}
-		if r.Mode == "" {
-			r.Mode = v1alpha1.ModeEnforce
-		}
-		if r.FailureMode == "" {
-			r.FailureMode = s.DefaultFailureMode
-		}
-		if m := r.Match; m != nil && m.Path != nil && m.Path.Type == "" {
-			m.Path.Type = v1alpha1.PathMatchPrefix
-		}
-	}
 	if st := s.Storage; st != nil {
-		if r := st.Redis; r != nil {
-			if r.Mode == "" {
-				r.Mode = v1alpha1.RedisStandalone
-			}
-			if r.Timeout == nil {
-				r.Timeout = ptr.To(v1alpha1.DefaultRedisTimeout)
-			}
-			if c := r.CredentialsSecretRef; c != nil && c.PasswordKey == "" {
-				c.PasswordKey = "password"
-			}
+		if r := st.Redis; r != nil && r.Timeout == nil {
+			r.Timeout = ptr.To(v1alpha1.DefaultRedisTimeout)
 		}
-		if m := st.ManagedRedis; m != nil {
-			if m.Image == "" {
-				m.Image = d.Defaults.RedisImage
-			}
-			if m.MaxMemory == nil {
-				m.MaxMemory = ptr.To(resource.MustParse(v1alpha1.DefaultManagedRedisMaxMemory))
-			}
+		if m := st.ManagedRedis; m != nil && m.Image == "" {
+			m.Image = d.Defaults.RedisImage
 		}
 	}
 	if s.Enforcer == nil {

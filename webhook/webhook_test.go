@@ -27,6 +27,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer/policy"
 	"github.com/sluice-dev/sluice/test/testenv"
 	"github.com/sluice-dev/sluice/webhook"
 )
@@ -205,13 +206,9 @@ func requireDefaults(t *testing.T, written, got *v1alpha1.RateLimitPolicy) {
 	s := got.Spec
 	for i, r := range s.Rules {
 		w := written.Spec.Rules[i]
-		wantFailure := w.FailureMode
-		if wantFailure == "" {
-			wantFailure = s.DefaultFailureMode
-		}
-		if r.Cost == nil || (w.Cost != nil && *r.Cost != *w.Cost) || (w.Cost == nil && *r.Cost != 1) || r.Mode == "" || r.FailureMode != wantFailure {
-			t.Errorf("rule %s: cost %v mode %q failureMode %q; want cost as written or 1, a mode, failureMode %q",
-				r.Name, r.Cost, r.Mode, r.FailureMode, wantFailure)
+		if r.Cost == nil || (w.Cost != nil && *r.Cost != *w.Cost) || (w.Cost == nil && *r.Cost != 1) || r.Mode == "" || r.FailureMode != w.FailureMode {
+			t.Errorf("rule %s: cost %v mode %q failureMode %q; want cost as written or 1, a mode, failureMode as written (%q)",
+				r.Name, r.Cost, r.Mode, r.FailureMode, w.FailureMode)
 		}
 	}
 	if s.Enforcer == nil || s.Enforcer.Replicas == nil {
@@ -246,7 +243,9 @@ func requireDefaults(t *testing.T, written, got *v1alpha1.RateLimitPolicy) {
 	}
 }
 
-func TestPolicyWhenRulesLeaveFailureModeOutThenItIsCopiedFromDefaultFailureMode(t *testing.T) {
+// A rule without its own failureMode is stored without one, and follows defaultFailureMode: a
+// copy written at admission would stay behind when defaultFailureMode changes.
+func TestPolicyWhenRulesLeaveFailureModeOutThenTheyFollowDefaultFailureMode(t *testing.T) {
 	ns := testenv.Namespace(t, k8s, "webhook")
 	p := validPolicy(ns, "closed")
 	p.Spec.DefaultFailureMode = v1alpha1.FailClosed
@@ -256,12 +255,26 @@ func TestPolicyWhenRulesLeaveFailureModeOutThenItIsCopiedFromDefaultFailureMode(
 	if err := k8s.Create(context.Background(), p); err != nil {
 		t.Fatal(err)
 	}
-	got := map[string]v1alpha1.FailureMode{}
+	stored := map[string]v1alpha1.FailureMode{}
 	for _, r := range p.Spec.Rules {
-		got[r.Name] = r.FailureMode
+		stored[r.Name] = r.FailureMode
 	}
-	if diff := cmp.Diff(map[string]v1alpha1.FailureMode{"per-client": v1alpha1.FailClosed, "open": v1alpha1.FailOpen}, got); diff != "" {
-		t.Errorf("failure modes (-want +got):\n%s", diff)
+	if diff := cmp.Diff(map[string]v1alpha1.FailureMode{"per-client": "", "open": v1alpha1.FailOpen}, stored); diff != "" {
+		t.Errorf("stored failure modes (-want +got):\n%s", diff)
+	}
+	for _, mode := range []v1alpha1.FailureMode{v1alpha1.FailClosed, v1alpha1.FailOpen} {
+		p.Spec.DefaultFailureMode = mode
+		compiled, err := policy.Compile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		failOpen := map[string]bool{}
+		for _, r := range compiled.Rules {
+			failOpen[r.Name] = r.FailOpen
+		}
+		if diff := cmp.Diff(map[string]bool{"per-client": mode == v1alpha1.FailOpen, "open": true}, failOpen); diff != "" {
+			t.Errorf("defaultFailureMode %s: fails open (-want +got):\n%s", mode, diff)
+		}
 	}
 	if *p.Spec.Enforcer.Replicas != 2 || *p.Spec.Storage.Redis.Timeout != "50ms" || p.Spec.Storage.Redis.Mode != v1alpha1.RedisStandalone {
 		t.Errorf("enforcer %+v redis %+v; want 2 replicas with Redis, timeout 50ms, mode Standalone", p.Spec.Enforcer, p.Spec.Storage.Redis)

@@ -414,7 +414,7 @@ type RedisStorage struct {
 	// Cluster (addresses are seed nodes).
 	// +optional
 	// +kubebuilder:default=Standalone
-	Mode RedisMode `json:"mode"`
+	Mode RedisMode `json:"mode,omitempty"`
 
 	// addresses are host:port pairs: the server, the sentinels, or the cluster's seed nodes.
 	// +required

@@ -261,6 +261,7 @@ func policyFile(p *v1alpha1.RateLimitPolicy) ([]byte, error) {
 		Spec:       *p.Spec.DeepCopy(),
 	}
 	doc.Spec.Enforcer = nil // shapes the Deployment, not decisions
+	doc.Spec.Storage = nil  // reaches the enforcer as flags, which a file cannot override
 	out, err := yaml.Marshal(doc)
 	if err != nil {
 		return nil, fmt.Errorf("render the policy file: %w", err)

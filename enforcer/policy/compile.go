@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -97,11 +96,8 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 	if len(p.Spec.Rules) == 0 {
 		errs = append(errs, field.Required(spec.Child("rules"), "at least one rule is required"))
 	}
-	atMost(len(p.Spec.Rules), maxRules, spec.Child("rules"), &errs)
-	atMost(len(p.Spec.TrustedProxies), maxProxies, spec.Child("trustedProxies"), &errs)
 	seen := map[string]bool{}
 	defaultOpen := p.Spec.DefaultFailureMode != v1alpha1.FailClosed
-	oneOf(p.Spec.DefaultFailureMode, true, failureModes, spec.Child("defaultFailureMode"), &errs)
 	for i := range p.Spec.Rules {
 		r := &p.Spec.Rules[i]
 		path := spec.Child("rules").Index(i)
@@ -131,12 +127,6 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	if r.Cost != nil {
 		rule.Cost = *r.Cost
 	}
-	between(rule.Cost, 0, maxAmount, path.Child("cost"), &errs)
-	if msgs := validation.IsDNS1123Label(r.Name); len(msgs) > 0 {
-		errs = append(errs, field.Invalid(path.Child("name"), r.Name, "must be a DNS label: "+strings.Join(msgs, "; ")))
-	}
-	oneOf(r.Mode, true, ruleModes, path.Child("mode"), &errs)
-	oneOf(r.FailureMode, true, failureModes, path.Child("failureMode"), &errs)
 	switch r.FailureMode {
 	case v1alpha1.FailOpen:
 		rule.FailOpen = true
@@ -151,8 +141,6 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		p := path.Child("tokenBucket")
 		rule.Limit = algorithm.Limit{Kind: algorithm.TokenBucket, Limit: b.Capacity, Rate: b.Refill.Tokens}
 		rule.Limit.Period = duration(b.Refill.Period, p.Child("refill", "period"), &errs)
-		between(b.Capacity, 1, maxAmount, p.Child("capacity"), &errs)
-		between(b.Refill.Tokens, 1, maxAmount, p.Child("refill", "tokens"), &errs)
 		capName = "tokenBucket.capacity"
 	}
 	if b := r.LeakyBucket; b != nil {
@@ -160,8 +148,6 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		p := path.Child("leakyBucket")
 		rule.Limit = algorithm.Limit{Kind: algorithm.LeakyBucket, Limit: b.Capacity, Rate: b.Drain.Requests}
 		rule.Limit.Period = duration(b.Drain.Period, p.Child("drain", "period"), &errs)
-		between(b.Capacity, 1, maxQueue, p.Child("capacity"), &errs)
-		between(b.Drain.Requests, 1, maxAmount, p.Child("drain", "requests"), &errs)
 		capName = "leakyBucket.capacity"
 		// A full queue drains in capacity intervals: waiting longer is never needed.
 		var drainAll time.Duration
@@ -195,7 +181,6 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		p := path.Child(w.name)
 		rule.Limit = algorithm.Limit{Kind: w.kind, Limit: w.w.Limit}
 		rule.Limit.Period = duration(w.w.Window, p.Child("window"), &errs)
-		between(w.w.Limit, 1, maxAmount, p.Child("limit"), &errs)
 		capName = w.name + ".limit"
 		if w.kind == algorithm.SlidingLog && w.w.Limit > MaxSlidingLogLimit {
 			errs = append(errs, field.Invalid(p.Child("limit"), w.w.Limit, fmt.Sprintf(
@@ -214,8 +199,7 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 
 	if m := r.Match; m != nil {
 		p := path.Child("match")
-		for i, method := range m.Methods {
-			oneOf(method, false, httpMethods, p.Child("methods").Index(i), &errs)
+		for _, method := range m.Methods {
 			rule.Match.Methods = append(rule.Match.Methods, string(method))
 		}
 		if m.Path != nil {
@@ -223,7 +207,6 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 			if rule.Match.Path == "" {
 				rule.Match.Path = v1alpha1.PathMatchPrefix
 			}
-			oneOf(rule.Match.Path, false, pathMatchTypes, p.Child("path", "type"), &errs)
 			if rule.Match.Path == v1alpha1.PathMatchRegularExpression {
 				re, err := regexp.Compile("^(?:" + m.Path.Value + ")$")
 				if err != nil {
@@ -234,31 +217,22 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 				errs = append(errs, field.Invalid(p.Child("path", "value"), m.Path.Value, "must start with '/' for types Exact and Prefix"))
 			}
 		}
-		atMost(len(m.Methods), len(httpMethods), p.Child("methods"), &errs)
-		atMost(len(m.Headers), maxHeaders, p.Child("headers"), &errs)
 		headers := map[string]bool{}
 		for i, h := range m.Headers {
 			name := p.Child("headers").Index(i).Child("name")
 			canonical := http.CanonicalHeaderKey(string(h.Name))
-			switch {
-			case !validHeaderName(string(h.Name)):
-				errs = append(errs, field.Invalid(name, h.Name, "must be an HTTP header name"))
-			case headers[canonical]:
+			if headers[canonical] {
 				errs = append(errs, field.Invalid(name, h.Name, "must not repeat a header of this match: header names are compared without regard to case, and all conditions must hold"))
 			}
 			headers[canonical] = true
 			rule.Match.Headers = append(rule.Match.Headers, HeaderMatch{Name: http.CanonicalHeaderKey(string(h.Name)), Value: h.Value})
 		}
 	}
-	atMost(len(r.Key), maxKeySources, path.Child("key"), &errs)
 	parts := map[KeySource]bool{}
 	for i, k := range r.Key {
 		ks := KeySource{Type: k.Type}
-		oneOf(k.Type, false, keySourceTypes, path.Child("key").Index(i).Child("type"), &errs)
 		if k.Type == v1alpha1.KeyHeader {
-			if k.Name == nil || !validHeaderName(string(*k.Name)) {
-				errs = append(errs, field.Required(path.Child("key").Index(i).Child("name"), "a header name is required with type Header"))
-			} else {
+			if k.Name != nil { // the schema requires it
 				ks.Header = http.CanonicalHeaderKey(string(*k.Name))
 			}
 		}
@@ -295,49 +269,4 @@ func duration(d v1alpha1.Duration, path *field.Path, errs *field.ErrorList) time
 		return v
 	}
 	return 0
-}
-
-// The schema's bounds on amounts. The algorithms rely on them: counts, costs and their sums
-// stay exact in a Lua number, and the fixed window packs a count below 2^31 beside its index.
-const (
-	maxAmount     = 1_000_000_000
-	maxQueue      = 1_000_000
-	maxRules      = 32
-	maxKeySources = 8
-	maxHeaders    = 16
-	maxProxies    = 32
-)
-
-// between adds an error when v is outside [lo, hi].
-func between(v, lo, hi int64, path *field.Path, errs *field.ErrorList) {
-	switch {
-	case v < lo:
-		*errs = append(*errs, field.Invalid(path, v, fmt.Sprintf("must be at least %d", lo)))
-	case v > hi:
-		*errs = append(*errs, field.Invalid(path, v, fmt.Sprintf("must be at most %d", hi)))
-	}
-}
-
-// atMost adds an error when a list is longer than the schema allows.
-func atMost(n, limit int, path *field.Path, errs *field.ErrorList) {
-	if n > limit {
-		*errs = append(*errs, field.TooMany(path, n, limit))
-	}
-}
-
-func validHeaderName(s string) bool {
-	if s == "" || len(s) > 256 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if !isTokenChar(s[i]) {
-			return false
-		}
-	}
-	return true
-}
-
-// isTokenChar reports whether c may appear in an HTTP token (RFC 9110), such as a header name.
-func isTokenChar(c byte) bool {
-	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
 }
