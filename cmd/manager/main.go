@@ -41,10 +41,14 @@ func main() {
 		burst                  int
 		wh                     webhookFlags
 		probeInterval          time.Duration
+		lease                  leaseFlags
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
-	flag.BoolVar(&leaderElect, "leader-elect", false, "Elect a leader so that only one manager replica reconciles.")
+	flag.BoolVar(&leaderElect, "leader-elect", false, "Elect a leader so that only one manager replica reconciles; every replica serves the webhook.")
+	flag.DurationVar(&lease.duration, "leader-elect-lease-duration", 15*time.Second, "How long a replica waits, after the leader last renewed its lease, before it takes over.")
+	flag.DurationVar(&lease.renew, "leader-elect-renew-deadline", 10*time.Second, "How long the leader tries to renew its lease before it gives up leading.")
+	flag.DurationVar(&lease.retry, "leader-elect-retry-period", 2*time.Second, "How often replicas try to acquire or renew the lease.")
 	flag.StringVar(&defaults.EnforcerImage, "enforcer-image", "ghcr.io/sluice-dev/sluice-enforcer:latest", "Enforcer image of policies that do not set spec.enforcer.image.")
 	flag.StringVar(&defaults.RedisImage, "redis-image", "redis:7.4-alpine", "Redis image of policies with storage.managedRedis that do not set an image.")
 	flag.IntVar(&workers, "workers", 4, "Policies reconciled at once.")
@@ -77,6 +81,15 @@ func main() {
 		HealthProbeBindAddress: probeAddr,
 		LeaderElection:         leaderElect,
 		LeaderElectionID:       "manager.ratelimit.sluice.dev",
+		// The lease lives beside the certificate Secret, in the manager's namespace; outside a
+		// cluster there is no service-account namespace to default to.
+		LeaderElectionNamespace: wh.namespace,
+		LeaseDuration:           &lease.duration,
+		RenewDeadline:           &lease.renew,
+		RetryPeriod:             &lease.retry,
+		// The manager exits right after it stops leading, so handing the lease over at once on
+		// SIGTERM is safe, and spares a rollout the wait for the lease to expire.
+		LeaderElectionReleaseOnCancel: true,
 	})
 	if err != nil {
 		log.Error(err, "Unable to create the manager")
@@ -125,6 +138,9 @@ func main() {
 		os.Exit(1)
 	}
 }
+
+// leaseFlags time leader election.
+type leaseFlags struct{ duration, renew, retry time.Duration }
 
 // webhookFlags say where the webhook listens and where its certificate comes from.
 type webhookFlags struct {

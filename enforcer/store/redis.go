@@ -160,6 +160,18 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 		ok, _, err := s.run(ctx, checks, indexes(len(checks)), id, out)
 		return ok, err
 	}
+	ok, err := s.decideCluster(ctx, checks, id, out)
+	if err != nil && !errors.Is(err, ErrFault) {
+		// A master that died cannot answer MOVED, and go-redis otherwise reloads the slot map
+		// only once a minute: ask it to reload now, so decisions follow a promoted replica as
+		// soon as the cluster has one. Reloads run in the background, one at a time.
+		s.client.(*redis.ClusterClient).ReloadState(context.WithoutCancel(ctx))
+	}
+	return ok, err
+}
+
+// decideCluster decides on a Cluster: one script per hash tag of the decision.
+func (s *Redis) decideCluster(ctx context.Context, checks []Check, id string, out []algorithm.Decision) (bool, error) {
 	groups := s.groups(checks)
 	if len(groups) == 1 {
 		ok, _, err := s.run(ctx, checks, groups[0], id, out)

@@ -151,7 +151,7 @@ func (s *Server) Client(t testing.TB) *redis.Client {
 	return c
 }
 
-// Cluster is a Redis Cluster of masters without replicas.
+// Cluster is a Redis Cluster: its masters, then their replicas, if any.
 type Cluster struct {
 	Nodes []*Server
 }
@@ -176,14 +176,29 @@ func NewCluster(t testing.TB, n int) *Cluster {
 	return c
 }
 
+// NewClusterWithReplicas starts a cluster of n masters with one replica each, that fails a master
+// over to its replica about two seconds after the master stops answering. It is stopped when the
+// test ends.
+func NewClusterWithReplicas(t testing.TB, n int) *Cluster {
+	t.Helper()
+	c, err := startCluster(n, 1, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Stop)
+	return c
+}
+
 // StartCluster starts n masters, joins them with `redis-cli --cluster create`, and waits until
 // every node reports cluster_state:ok. The caller stops it.
-func StartCluster(n int) (*Cluster, error) {
+func StartCluster(n int) (*Cluster, error) { return startCluster(n, 0, 5*time.Second) }
+
+func startCluster(masters, replicas int, nodeTimeout time.Duration) (*Cluster, error) {
 	c := &Cluster{}
-	for range n {
+	for range masters * (1 + replicas) {
 		s, err := start(true, standalone([]string{
 			"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-			"--cluster-node-timeout", "5000",
+			"--cluster-node-timeout", strconv.FormatInt(nodeTimeout.Milliseconds(), 10),
 		}))
 		if err != nil {
 			c.Stop()
@@ -192,7 +207,7 @@ func StartCluster(n int) (*Cluster, error) {
 		c.Nodes = append(c.Nodes, s)
 	}
 	args := append([]string{"--cluster", "create"}, c.Addrs()...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
 	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
 		c.Stop()
 		return nil, fmt.Errorf("redis-cli --cluster create: %w: %s", err, lastLines(string(out), 5))

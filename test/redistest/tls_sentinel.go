@@ -1,6 +1,7 @@
 package redistest
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -14,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -79,13 +81,36 @@ func selfSigned(dir string) (certFile, keyFile string, err error) {
 // SentinelMaster is the master set name that NewSentinel watches.
 const SentinelMaster = "sluice-master"
 
+// NewReplica starts a replica of master and waits until it has synchronised; it is stopped when
+// the test ends.
+func NewReplica(t testing.TB, master *Server) *Server {
+	t.Helper()
+	s, err := start(false, standalone([]string{"--replicaof", "127.0.0.1", strconv.Itoa(master.Port)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	c := s.Client(t)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		info, err := c.Info(context.Background(), "replication").Result()
+		if err == nil && strings.Contains(info, "master_link_status:up") {
+			return s
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica of %s not in sync after 10s: %v %s", master.Addr(), err, info)
+		}
+	}
+}
+
 // NewSentinel starts a Redis Sentinel that watches master as SentinelMaster, with a quorum of
-// one, and waits until it knows the master's address; it is stopped when the test ends.
+// one, and waits until it knows the master's address; it is stopped when the test ends. It holds
+// a master that does not answer for a second to be down, and then fails over to a replica.
 func NewSentinel(t testing.TB, master *Server) *Server {
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
 		conf := filepath.Join(s.dir, "sentinel.conf")
-		body := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\nsentinel monitor %s 127.0.0.1 %d 1\n",
+		body := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\nsentinel monitor %s 127.0.0.1 %d 1\n"+
+			"sentinel down-after-milliseconds %[4]s 1000\nsentinel failover-timeout %[4]s 10000\n",
 			s.Port, s.dir, filepath.Join(s.dir, "redis.log"), SentinelMaster, master.Port)
 		return []string{conf, "--sentinel"}, os.WriteFile(conf, []byte(body), 0o600)
 	})

@@ -1,0 +1,171 @@
+package e2e_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/test/local"
+)
+
+// Two managers with leader election: kill the leader (SIGKILL, so it cannot hand its lease over)
+// and the other reconciles within the lease duration, while admission never fails because both
+// serve the webhook. The webhook's Service is played by a TCP forwarder that sends each
+// connection to a replica that accepts it, as endpoints do once a pod is gone.
+func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFails(t *testing.T) {
+	ctx := context.Background()
+	c := startCluster(t)
+	env, k8s := c.env, c.env.Client
+	logs := newProcessLog(t)
+
+	host := env.Webhook.LocalServingHost
+	backends := make([]string, 2)
+	for i := range backends {
+		addr, err := local.FreeAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		backends[i] = addr
+	}
+	serveForwarder(t, net.JoinHostPort(host, strconv.Itoa(env.Webhook.LocalServingPort)), backends)
+
+	const leaseDuration = 4 * time.Second
+	start := func(backend string) *local.Process {
+		_, port, _ := net.SplitHostPort(backend)
+		p, err := local.StartManager(ctx, env, c.managerBin, c.kubeconfig, logs, "--webhook-port="+port,
+			"--leader-elect", "--leader-elect-lease-duration="+leaseDuration.String(),
+			"--leader-elect-renew-deadline=3s", "--leader-elect-retry-period=500ms")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Stop)
+		return p
+	}
+	leader := start(backends[0])
+	lease := &coordinationv1.Lease{}
+	waitFor(t, 30*time.Second, func() error {
+		if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
+			return err
+		}
+		if lease.Spec.HolderIdentity == nil || *lease.Spec.HolderIdentity == "" {
+			return errors.New("the lease has no holder")
+		}
+		return nil
+	})
+	first := *lease.Spec.HolderIdentity
+	start(backends[1])
+
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "leader-"}}
+	if err := k8s.Create(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	policy := func(name string) *v1alpha1.RateLimitPolicy {
+		return &v1alpha1.RateLimitPolicy{
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: name},
+			Spec: v1alpha1.RateLimitPolicySpec{
+				TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+				Rules:     []v1alpha1.Rule{{Name: "all", FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1m"}}},
+			},
+		}
+	}
+
+	// Admission every 50 ms, through both webhooks, for the whole switch.
+	var admitted, failed atomic.Int64
+	var lastErr atomic.Value
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			if err := k8s.Create(ctx, policy("probe"), client.DryRunAll); err != nil {
+				failed.Add(1)
+				lastErr.Store(err)
+			} else {
+				admitted.Add(1)
+			}
+		}
+	})
+	time.Sleep(time.Second) // admissions through both replicas before the kill
+
+	if err := leader.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	killed := time.Now()
+	_ = leader.Wait()
+	if err := k8s.Create(ctx, policy("after")); err != nil {
+		t.Fatalf("create a policy after the leader died: %v", err)
+	}
+	key := types.NamespacedName{Namespace: ns.Name, Name: "sluice-after"}
+	waitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
+	took := time.Since(killed)
+	time.Sleep(time.Second) // admissions after the switch
+	close(stop)
+	wg.Wait()
+
+	if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
+		t.Fatal(err)
+	}
+	if h := lease.Spec.HolderIdentity; h == nil || *h == first {
+		t.Errorf("the lease is still held by %v, the killed leader", h)
+	}
+	if limit := leaseDuration + 3*time.Second; took > limit {
+		t.Errorf("the policy created after the kill was reconciled %v after it, want within the lease duration and the caches' sync (%v)", took, limit)
+	}
+	if n := failed.Load(); n > 0 {
+		t.Errorf("%d of %d admissions failed during the switch; last: %v", n, n+admitted.Load(), lastErr.Load())
+	}
+	t.Logf("the new leader reconciled %v after the kill (lease %v); %d admissions, %d failed", took.Round(10*time.Millisecond), leaseDuration, admitted.Load(), failed.Load())
+}
+
+// serveForwarder accepts connections on addr and pipes each to the first backend that accepts
+// it, trying them in turn from a rotating start: a Service with two endpoints.
+func serveForwarder(t *testing.T, addr string, backends []string) {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	var next atomic.Uint64
+	go func() {
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer func() { _ = in.Close() }()
+				n := next.Add(1)
+				for i := range backends {
+					out, err := net.DialTimeout("tcp", backends[(int(n)+i)%len(backends)], time.Second)
+					if err != nil {
+						continue
+					}
+					defer func() { _ = out.Close() }()
+					go func() { _, _ = io.Copy(out, in); _ = out.(*net.TCPConn).CloseWrite() }()
+					_, _ = io.Copy(in, out)
+					return
+				}
+			}()
+		}
+	}()
+}
