@@ -46,6 +46,9 @@ type Config struct {
 	ShutdownTimeout time.Duration
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
+	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
+	// time.Now. The Redis store never reads it: its decisions use Redis TIME.
+	Now func() time.Time
 	Log   logr.Logger
 }
 
@@ -97,7 +100,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	opts := limiter.Options{Metrics: limiter.NewMetrics(reg), Log: cfg.Log}
+	opts := limiter.Options{Metrics: limiter.NewMetrics(reg), Log: cfg.Log, Now: cfg.Now}
 	if cfg.Redis != nil {
 		rs, err := store.NewRedis(*cfg.Redis)
 		if err != nil {
@@ -107,7 +110,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		opts.BreakerFailures, opts.BreakerOpen = 3, time.Second
 		opts.RefusalCache = true
 	} else {
-		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys})
+		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, Now: cfg.Now})
 	}
 	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{})}
 	e.limiter.SetPolicies(policies)

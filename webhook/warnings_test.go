@@ -54,6 +54,11 @@ func warningCases() []warningCase {
 	otherKey.Key = []v1alpha1.KeySource{{Type: v1alpha1.KeyMethod}}
 	return []warningCase{
 		{"when every rule has a key and enforces then nothing is said", policyOf(bucket("a", 10, 1, "1s")), nil},
+		{"when a sliding window counter has a small limit then the sliding log is suggested",
+			policyOf(v1alpha1.Rule{Name: "few", Key: byClient, SlidingWindowCounter: &v1alpha1.Window{Limit: 5, Window: "1m"}}),
+			[]string{`spec.rules[0] ("few") is a slidingWindowCounter of limit 5: below 20 its estimate dominates`}},
+		{"when a sliding window counter's limit is 20 then nothing is said",
+			policyOf(v1alpha1.Rule{Name: "enough", Key: byClient, SlidingWindowCounter: &v1alpha1.Window{Limit: 20, Window: "1m"}}), nil},
 		{"when a rule has no key then one counter is shared by every client", policyOf(noKey),
 			[]string{`spec.rules[0] ("global") has no key: every client shares one counter`}},
 		{"when every rule is Shadow then the policy never refuses", policyOf(shadow),

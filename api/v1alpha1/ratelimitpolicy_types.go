@@ -123,19 +123,25 @@ type Rule struct {
 	// +optional
 	LeakyBucket *LeakyBucket `json:"leakyBucket,omitempty"`
 
-	// fixedWindow admits limit units per clock-aligned window. Cheapest; up to twice the limit can
-	// pass around a window boundary.
+	// fixedWindow admits limit units per clock-aligned window. Cheapest. Worst case: a client that
+	// times its requests around a window boundary passes twice the limit in a window-long interval.
 	// +optional
 	FixedWindow *Window `json:"fixedWindow,omitempty"`
 
-	// slidingLog admits limit units in any window-long interval, exactly, by remembering each one.
+	// slidingLog admits limit units in any window-long interval, exactly, by remembering each one:
+	// it never exceeds the limit.
 	// Its memory grows with limit: about 40 bytes per unit in Redis, so limit is at most 10000
 	// (a key of about 400 KB); use slidingWindowCounter for larger limits.
 	// +optional
 	SlidingLog *Window `json:"slidingLog,omitempty"`
 
 	// slidingWindowCounter approximates a sliding window from the current and previous fixed
-	// windows, the previous one weighted by how much of it the sliding window still covers.
+	// windows, the previous one weighted by how much of it the sliding window still covers, and
+	// admits limit units per window to a client that keeps sending. Smooth and cheap, but not
+	// exact: on ordinary traffic with a limit of 100 it passed up to 1.13x the limit in a
+	// window-long interval, and a client that times its requests just before window boundaries
+	// passes nearly twice the limit, as with fixedWindow. Below a limit of 20 prefer slidingLog
+	// (docs/guarantees.md).
 	// +optional
 	SlidingWindowCounter *Window `json:"slidingWindowCounter,omitempty"`
 

@@ -54,10 +54,16 @@ type enforcerProcess struct {
 
 func startEnforcer(t *testing.T, storeFlags ...string) *enforcerProcess {
 	t.Helper()
+	return startEnforcerWith(t, failoverPolicy, storeFlags...)
+}
+
+// startEnforcerWith runs the enforcer binary with the policy document and flags given.
+func startEnforcerWith(t *testing.T, policy string, storeFlags ...string) *enforcerProcess {
+	t.Helper()
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
 	t.Cleanup(up.Close)
 	file := filepath.Join(t.TempDir(), "policy.yaml")
-	if err := os.WriteFile(file, []byte(failoverPolicy), 0o600); err != nil {
+	if err := os.WriteFile(file, []byte(policy), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	proxy, _ := local.FreeAddr()
@@ -84,6 +90,11 @@ func startEnforcer(t *testing.T, storeFlags ...string) *enforcerProcess {
 
 // send sends n requests for client, conc at a time, and counts the answers by status.
 func (e *enforcerProcess) send(client string, n, conc int) map[int]int {
+	return e.sendTo("/", client, n, conc)
+}
+
+// sendTo is send to a path.
+func (e *enforcerProcess) sendTo(path, client string, n, conc int) map[int]int {
 	var mu sync.Mutex
 	counts := map[int]int{}
 	work := make(chan struct{}, n)
@@ -95,7 +106,7 @@ func (e *enforcerProcess) send(client string, n, conc int) map[int]int {
 	for range conc {
 		wg.Go(func() {
 			for range work {
-				req, _ := http.NewRequest(http.MethodGet, e.proxy+"/", nil)
+				req, _ := http.NewRequest(http.MethodGet, e.proxy+path, nil)
 				req.Header.Set("X-Client", client)
 				status := 0
 				if resp, err := e.client.Do(req); err == nil {

@@ -117,6 +117,37 @@ func (l Limit) Take(st State, now float64, cost int64) (State, Decision) {
 	return st, Decision{}
 }
 
+// windowEstimate reads a sliding window counter's state at now: the window length, the current
+// window's index and start, its count, the previous window's count, and the estimate of the units
+// in the window-long interval that ends at now: the current count, plus the previous window's
+// count weighted by the share of it still inside that interval.
+//
+// Once that weighted part is worth half a unit or less, it counts as none. Without this, a
+// client that keeps sending is admitted one below its limit in every window, and a limit of 1
+// admits once every other window: the weight reaches zero only at the boundary itself, so the
+// last unit of a window never fits. Half a unit lets it in for a client that sends at twice the
+// limit's rate or faster, and grows no worst case of the accuracy benchmark; a larger share
+// would let a burst timed just before the boundary through earlier (docs/benchmarks.md).
+func (l Limit) windowEstimate(st State, now float64) (window, idx, start, cur, prev, est float64) {
+	window = micros(l.Period)
+	idx = math.Floor(now / window)
+	start = idx * window
+	switch st.W {
+	case idx:
+		cur, prev = st.N, st.P
+	case idx - 1:
+		prev = st.N
+	}
+	weighted := float64(prev * (window - (now - start)) / window)
+	if weighted <= lastShare+slackUnits {
+		weighted = 0
+	}
+	return window, idx, start, cur, prev, weighted + cur
+}
+
+// lastShare is the weighted part of the previous window below which it counts as none.
+const lastShare = 0.5
+
 // slack absorbs float rounding in comparisons, so that a request repeated exactly at its
 // retry-after passes: a bucket admits a request that fits to within a microsecond (timestamps
 // near 2^51µs resolve only to 0.25µs), a window counter one that fits to within a billionth of a
@@ -246,19 +277,9 @@ func (l Limit) slidingLog(st State, now float64, cost int64) (State, Decision) {
 // the previous window's count weighted by the share of it that the sliding window still covers.
 // Only the immediately preceding window carries over.
 func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, Decision) {
-	window := micros(l.Period)
-	idx := math.Floor(now / window)
-	start := idx * window
-	cur, prev := 0.0, 0.0
-	switch st.W {
-	case idx:
-		cur, prev = st.N, st.P
-	case idx - 1:
-		prev = st.N
-	}
+	window, idx, start, cur, prev, est := l.windowEstimate(st, now)
 	limit := float64(l.Limit)
 	c := float64(cost)
-	est := float64(prev*(window-(now-start))/window) + cur
 	d := Decision{Limit: l.Limit, Allowed: est+c <= limit+slackUnits}
 	if d.Allowed {
 		if cost > 0 {
@@ -267,8 +288,9 @@ func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, D
 			st.W, st.N, st.P = idx, cur, prev
 		}
 	} else if room := limit - cur - c; room >= 0 {
-		// Within this window, once enough of the previous window has slid out.
-		d.RetryAfter = dur(start + window - room*window/prev - now)
+		// Within this window, once enough of the previous window has slid out: down to room
+		// units, or to the share that counts as none.
+		d.RetryAfter = dur(start + window - math.Max(room, lastShare)*window/prev - now)
 	} else {
 		// In the next window, where the current count becomes the weighted one.
 		d.RetryAfter = dur(start + window + math.Max(0, window-(limit-c)*window/cur) - now)

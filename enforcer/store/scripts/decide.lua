@@ -35,6 +35,7 @@ local id = ARGV[2]
 local function fmt(x) return string.format('%.17g', x) end
 -- Comparison slack, as in enforcer/algorithm: 1µs for buckets, 1e-9 units for window counters.
 local SLACK_US, SLACK_UNITS = 1, 1e-9
+local LAST_SHARE = 0.5
 -- A fixed window's value packs its window index modulo FW_WINDOWS above a count below FW_SHIFT;
 -- both fit the 53 bits a Lua number holds exactly. Limits are at most 10^9 < 2^31.
 local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
@@ -118,7 +119,11 @@ local function evaluate(i, cost)
         prev = tonumber(c)
       end
     end
-    local est = prev * (period - (now - start)) / period + cur
+    -- The previous window's weighted part counts as none once it is worth half a unit or less
+    -- (LAST_SHARE, as enforcer/algorithm's windowEstimate).
+    local weighted = prev * (period - (now - start)) / period
+    if weighted <= LAST_SHARE + SLACK_UNITS then weighted = 0 end
+    local est = weighted + cur
     allowed = est + cost <= limit + SLACK_UNITS
     if allowed then
       if cost > 0 then
@@ -127,7 +132,7 @@ local function evaluate(i, cost)
         write = {fmt(idx) .. ' ' .. fmt(cur) .. ' ' .. fmt(prev)}
       end
     elseif limit - cur - cost >= 0 then
-      local room = limit - cur - cost
+      local room = max(limit - cur - cost, LAST_SHARE)
       retry = us(start + period - room * period / prev - now)
     else
       retry = us(start + period + max(0, period - (limit - cost) * period / cur) - now)
