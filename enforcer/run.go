@@ -49,7 +49,7 @@ type Config struct {
 	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
 	// time.Now. The Redis store never reads it: its decisions use Redis TIME.
 	Now func() time.Time
-	Log   logr.Logger
+	Log logr.Logger
 }
 
 // Enforcer is a running enforcer.

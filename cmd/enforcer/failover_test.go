@@ -68,7 +68,7 @@ func startEnforcerWith(t *testing.T, policy string, storeFlags ...string) *enfor
 	}
 	proxy, _ := local.FreeAddr()
 	admin, _ := local.FreeAddr()
-	log := &syncWriter{}
+	log := &local.Output{}
 	p, err := local.Start("enforcer", log, binary(t), append([]string{
 		"--policy=" + file, "--upstream=" + up.URL, "--listen=" + proxy, "--check-listen=", "--admin-listen=" + admin,
 		"--shutdown-delay=0s", "--redis-timeout=100ms",

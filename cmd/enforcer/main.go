@@ -79,10 +79,10 @@ func parse(args []string) (enforcer.Config, error) {
 	var clockOffset time.Duration
 	fs.DurationVar(&clockOffset, testClockOffset, 0, "")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "Usage of enforcer:")
+		_, _ = fmt.Fprintln(fs.Output(), "Usage of enforcer:")
 		fs.VisitAll(func(f *flag.Flag) {
 			if f.Name != testClockOffset {
-				fmt.Fprintf(fs.Output(), "  --%s\n    \t%s (default %q)\n", f.Name, f.Usage, f.DefValue)
+				_, _ = fmt.Fprintf(fs.Output(), "  --%s\n    \t%s (default %q)\n", f.Name, f.Usage, f.DefValue)
 			}
 		})
 	}

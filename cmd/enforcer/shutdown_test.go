@@ -101,7 +101,7 @@ func testShutdown(t *testing.T, storeFlags []string) {
 		addrs[i] = a
 	}
 	proxy, check, admin := addrs[0], addrs[1], addrs[2]
-	log := &syncWriter{}
+	log := &local.Output{}
 	p, err := local.Start("enforcer", log, bin, append([]string{
 		"--policy=" + file, "--upstream=" + up.URL,
 		"--listen=" + proxy, "--check-listen=" + check, "--admin-listen=" + admin,
@@ -243,22 +243,4 @@ func scrape(admin, series string) float64 {
 		}
 	}
 	return 0
-}
-
-// syncWriter lets the child's stdout and stderr share one buffer that the test reads.
-type syncWriter struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncWriter) Write(b []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(b)
-}
-
-func (s *syncWriter) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -1,8 +1,8 @@
 package algorithm
 
 import (
-	"math"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -75,7 +75,7 @@ type trafficShape struct {
 // all but gone; then they rest a window.
 func trafficShapes(limit int64) []trafficShape {
 	rate := float64(limit) / accPeriod.Seconds() // requests per second at the limit
-	start := 1_700_000_000.0                        // seconds: a window-aligned epoch, as Redis TIME gives
+	start := 1_700_000_000.0                     // seconds: a window-aligned epoch, as Redis TIME gives
 	start = math.Floor(start/accPeriod.Seconds()) * accPeriod.Seconds()
 	end := start + accLength.Seconds()
 	us := func(s float64) float64 { return math.Round(s * 1e6) }
@@ -220,5 +220,3 @@ func measureAccuracy(arrivals []arrival, limit int64) accuracy {
 	res.wronglyAllowed, res.wronglyRefused = float64(wrongAllow)/n*100, float64(wrongRefuse)/n*100
 	return res
 }
-
-

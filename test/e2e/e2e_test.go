@@ -4,14 +4,12 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -303,24 +301,13 @@ func waitFor(t *testing.T, timeout time.Duration, f func() error) {
 }
 
 // processLog keeps the processes' output; the test prints it when it fails.
-type processLog struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *processLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
+type processLog = local.Output
 
 func newProcessLog(t *testing.T) *processLog {
 	l := &processLog{}
 	t.Cleanup(func() {
 		if t.Failed() {
-			l.mu.Lock()
-			defer l.mu.Unlock()
-			t.Logf("manager and enforcer output:\n%s", l.buf.String())
+			t.Logf("manager and enforcer output:\n%s", l.String())
 		}
 	})
 	return l
