@@ -2,11 +2,10 @@ package controllers
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -15,10 +14,12 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -36,9 +37,9 @@ import (
 // FieldOwner is the server-side apply field manager of everything the controller writes.
 const FieldOwner = "sluice"
 
-// appliedHashAnnotation records the hash of what was last applied to an owned object, so that an
-// unchanged policy costs no write at all.
-const appliedHashAnnotation = "ratelimit.sluice.dev/applied-hash"
+// EventDriftCorrected is the reason of the event that says an owned object was put back after a
+// hand edit or a deletion.
+const EventDriftCorrected = "DriftCorrected"
 
 // targetIndex indexes policies by the Service they target.
 const targetIndex = "spec.targetRef.name"
@@ -60,8 +61,8 @@ type RateLimitPolicyReconciler struct {
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies/status,verbs=get;update;patch
-// +kubebuilder:rbac:groups="",resources=configmaps;services,verbs=get;list;watch;create;patch
-// +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups="",resources=configmaps;services,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
@@ -93,7 +94,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	if err := r.apply(ctx, objs); err != nil {
+	if err := r.apply(ctx, p, objs); err != nil {
 		obs.applyErr = err
 		return ctrl.Result{}, err
 	}
@@ -144,11 +145,15 @@ func (r *RateLimitPolicyReconciler) olderPolicyOnTarget(ctx context.Context, p *
 	return "", nil
 }
 
-// apply writes each object with server-side apply under one field owner, skipping objects whose
-// live copy already carries the hash of what would be applied. A PodDisruptionBudget that is no
-// longer wanted (one replica) is deleted.
-func (r *RateLimitPolicyReconciler) apply(ctx context.Context, objs *render.Objects) error {
+// apply writes each object with server-side apply under one field owner, unless the live copy
+// already holds every field of it: an unchanged policy with untouched objects costs no write, and
+// a hand edit of any rendered field, or a deleted object, is put back, with an event that says
+// what. Objects no longer rendered (the managed Redis when storage changes, the
+// PodDisruptionBudget at one replica) are deleted.
+func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
 	logger := log.FromContext(ctx)
+	// Owned objects that are missing after the policy was programmed were deleted by hand.
+	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed)
 	for _, obj := range objs.All() {
 		u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
 		if err != nil {
@@ -158,50 +163,97 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, objs *render.Obje
 		unstructured.RemoveNestedField(desired.Object, "status")
 		unstructured.RemoveNestedField(desired.Object, "metadata", "creationTimestamp")
 		unstructured.RemoveNestedField(desired.Object, "spec", "template", "metadata", "creationTimestamp")
-		hash, err := hashOf(desired.Object)
-		if err != nil {
-			return err
-		}
 		live := obj.DeepCopyObject().(client.Object)
-		err = r.Get(ctx, client.ObjectKeyFromObject(obj), live)
-		if err == nil && live.GetAnnotations()[appliedHashAnnotation] == hash {
-			continue
-		}
-		if err != nil && !apierrors.IsNotFound(err) {
+		var drift string
+		switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
+		case apierrors.IsNotFound(err):
+			if programmed {
+				drift = "the object was deleted"
+			}
+		case err != nil:
 			return err
+		default:
+			liveU, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
+			if err != nil {
+				return err
+			}
+			field, differs := firstDifference(liveU, desired.Object, "")
+			if !differs {
+				continue
+			}
+			drift = field[1:] + " differed from the policy"
 		}
-		annotations := desired.GetAnnotations()
-		if annotations == nil {
-			annotations = map[string]string{}
-		}
-		annotations[appliedHashAnnotation] = hash
-		desired.SetAnnotations(annotations)
 		if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
 			return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
 		}
-		logger.Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired))
+		logger.Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "drift", drift)
+		if drift != "" && r.Recorder != nil {
+			r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
+				"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
+		}
 	}
+	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
+	var unwanted []client.Object
 	if objs.PDB == nil {
-		pdb := &policyv1.PodDisruptionBudget{}
-		err := r.Get(ctx, client.ObjectKey{Namespace: objs.Deployment.Namespace, Name: objs.Deployment.Name}, pdb)
-		if err == nil {
-			if err := r.Delete(ctx, pdb); err != nil && !apierrors.IsNotFound(err) {
-				return err
-			}
-		} else if !apierrors.IsNotFound(err) {
+		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+	}
+	if objs.RedisDeployment == nil {
+		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
+		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
+	}
+	for _, obj := range unwanted {
+		if err := r.deleteOwned(ctx, p, obj); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func hashOf(obj map[string]any) (string, error) {
-	data, err := json.Marshal(obj)
-	if err != nil {
-		return "", err
+// deleteOwned deletes obj if it exists and the policy controls it.
+func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object) error {
+	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
+		return client.IgnoreNotFound(err)
 	}
-	sum := sha256.Sum256(data)
-	return hex.EncodeToString(sum[:12]), nil
+	if owner := metav1.GetControllerOf(obj); owner == nil || owner.UID != p.UID {
+		return nil
+	}
+	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
+	return nil
+}
+
+// firstDifference returns the path of the first field of want that got lacks or holds with
+// another value, and whether there is one. Fields that got has beyond want (defaults the API
+// server set, status) do not count; lists must match item by item.
+func firstDifference(got, want any, path string) (string, bool) {
+	switch w := want.(type) {
+	case map[string]any:
+		g, _ := got.(map[string]any)
+		for _, k := range slices.Sorted(maps.Keys(w)) {
+			if w[k] == nil {
+				continue
+			}
+			if p, differs := firstDifference(g[k], w[k], path+"."+k); differs {
+				return p, true
+			}
+		}
+		return "", false
+	case []any:
+		g, _ := got.([]any)
+		if len(g) != len(w) {
+			return path, true
+		}
+		for i := range w {
+			if p, differs := firstDifference(g[i], w[i], fmt.Sprintf("%s[%d]", path, i)); differs {
+				return p, true
+			}
+		}
+		return "", false
+	default:
+		return path, !equality.Semantic.DeepEqual(got, want)
+	}
 }
 
 // writeStatus writes the status once, and only when it changed, and records an event for each

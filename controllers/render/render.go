@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
@@ -90,16 +91,30 @@ func (o *Objects) All() []client.Object {
 	return objs
 }
 
-// Name is the name of the policy's enforcer objects: "sluice-<policy>", shortened with a hash
-// suffix when that would exceed a DNS label.
-func Name(p *v1alpha1.RateLimitPolicy) string {
-	name := "sluice-" + p.Name
-	if len(name) <= 63 {
+// Name is the name of the policy's enforcer objects: "sluice-<policy>" when that is a DNS-1035
+// label, as a Service name must be; otherwise a label made from it (see label).
+func Name(p *v1alpha1.RateLimitPolicy) string { return label("sluice-" + p.Name) }
+
+// label returns name if it is a DNS-1035 label. Otherwise, as for a policy named "shop.v2" or
+// one too long, it turns dots into dashes, cuts the name to leave room, and appends "-" and 8
+// hex digits of the SHA-256 of name: the result is a valid label, stable, and unique however
+// similar two names are.
+func label(name string) string {
+	if len(validation.IsDNS1035Label(name)) == 0 {
 		return name
 	}
-	sum := sha256.Sum256([]byte(p.Name))
-	return strings.TrimRight(name[:54], "-.") + "-" + hex.EncodeToString(sum[:4])
+	sum := sha256.Sum256([]byte(name))
+	suffix := "-" + hex.EncodeToString(sum[:4])
+	clean := strings.ReplaceAll(name, ".", "-")
+	if n := validation.DNS1035LabelMaxLength - len(suffix); len(clean) > n {
+		clean = clean[:n]
+	}
+	return strings.TrimRight(clean, "-") + suffix
 }
+
+// RedisName is the name of the managed Redis Deployment and Service of the enforcer objects
+// named name.
+func RedisName(name string) string { return label(name + "-redis") }
 
 // Replicas is the enforcer's replica count: the spec's, or 1 with memory storage and 2 otherwise.
 func Replicas(p *v1alpha1.RateLimitPolicy) int32 {
@@ -158,7 +173,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		}
 	}
 	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
-		redisName := name + "-redis"
+		redisName := RedisName(name)
 		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort))
 		o.RedisDeployment, o.RedisService = managedRedis(p, s.ManagedRedis, redisName, d)
 	}

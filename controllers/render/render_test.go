@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -138,5 +139,39 @@ func TestEnforcerWhenRenderedThenTheGracePeriodCoversTheShutdownDelayAndDrain(t 
 	}
 	if c := pod.Containers[0]; c.Lifecycle != nil && c.Lifecycle.PreStop != nil {
 		t.Error("a preStop hook would delay SIGTERM and eat the grace period; the enforcer delays by itself")
+	}
+}
+
+// Every policy name the API server admits (a DNS subdomain: dots, up to 253 characters) renders
+// objects whose names are valid Service names, stay as they were for names that always worked,
+// and differ between policies.
+func TestEnforcerWhenAnyAdmittedNameThenEveryRenderedNameIsAValidUniqueLabel(t *testing.T) {
+	names := []string{"api", "shop.v2", "shop-v2", "a.b.c", strings.Repeat("a", 56), strings.Repeat("a", 57),
+		strings.Repeat("b", 100), strings.Repeat("c.", 126) + "c"}
+	seen := map[string]string{}
+	for _, name := range names {
+		p := readSample(t, "demo.yaml")
+		p.Name = name
+		p.Spec.Storage = &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}}
+		objs, err := render.Enforcer(p, defaults)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, o := range objs.All() {
+			if msgs := validation.IsDNS1035Label(o.GetName()); len(msgs) > 0 {
+				t.Errorf("policy %q: %T name %q: %v", name, o, o.GetName(), msgs)
+			}
+			if other, ok := seen[o.GetName()]; ok && other != name {
+				t.Errorf("policies %q and %q both render %q", other, name, o.GetName())
+			}
+			seen[o.GetName()] = name
+		}
+	}
+	for name, want := range map[string]string{"api": "sluice-api", strings.Repeat("a", 60): "sluice-" + strings.Repeat("a", 47) + "-"} {
+		p := readSample(t, "demo.yaml")
+		p.Name = name
+		if got := render.Name(p); !strings.HasPrefix(got, want) {
+			t.Errorf("Name(%q) = %q, want it to start %q as before", name, got, want)
+		}
 	}
 }

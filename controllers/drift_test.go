@@ -1,0 +1,175 @@
+package controllers_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/test/testenv"
+)
+
+// A hand edit of any owned object, or its deletion, is put back within 10 s, and an event says
+// what was put back.
+func TestReconcileWhenAnOwnedObjectIsEditedOrDeletedThenItIsPutBack(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "drift")
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "drift", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	key := client.ObjectKey{Namespace: ns, Name: "sluice-drift"}
+	cm := &corev1.ConfigMap{}
+	if err := k8s.Get(ctx, key, cm); err != nil {
+		t.Fatal(err)
+	}
+	policyFile := cm.Data["policy.yaml"]
+
+	edits := []struct {
+		name    string
+		edit    func() error
+		putBack func() (bool, string)
+	}{
+		{"when the Deployment is scaled by hand then its replicas are put back", func() error {
+			d := &appsv1.Deployment{}
+			if err := k8s.Get(ctx, key, d); err != nil {
+				return err
+			}
+			d.Spec.Replicas = ptr.To[int32](5)
+			return k8s.Update(ctx, d)
+		}, func() (bool, string) {
+			d := &appsv1.Deployment{}
+			err := k8s.Get(ctx, key, d)
+			return err == nil && *d.Spec.Replicas == 3, "replicas not back to 3"
+		}},
+		{"when the image is set by hand then it is put back", func() error {
+			d := &appsv1.Deployment{}
+			if err := k8s.Get(ctx, key, d); err != nil {
+				return err
+			}
+			d.Spec.Template.Spec.Containers[0].Image = "x:1"
+			return k8s.Update(ctx, d)
+		}, func() (bool, string) {
+			d := &appsv1.Deployment{}
+			err := k8s.Get(ctx, key, d)
+			return err == nil && d.Spec.Template.Spec.Containers[0].Image == "example.com/enforcer:test", "image not put back"
+		}},
+		{"when the rendered policy is edited then it is put back", func() error {
+			c := &corev1.ConfigMap{}
+			if err := k8s.Get(ctx, key, c); err != nil {
+				return err
+			}
+			c.Data["policy.yaml"] = strings.Replace(c.Data["policy.yaml"], "capacity: 10", "capacity: 10000000", 1)
+			return k8s.Update(ctx, c)
+		}, func() (bool, string) {
+			c := &corev1.ConfigMap{}
+			err := k8s.Get(ctx, key, c)
+			return err == nil && c.Data["policy.yaml"] == policyFile, "policy file not put back"
+		}},
+		{"when the Service is deleted then it is created again", func() error {
+			return k8s.Delete(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: key.Name}})
+		}, func() (bool, string) {
+			s := &corev1.Service{}
+			err := k8s.Get(ctx, key, s)
+			return err == nil && s.DeletionTimestamp == nil, "Service not created again"
+		}},
+		{"when the ConfigMap is deleted then it is created again", func() error {
+			return k8s.Delete(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: key.Name}})
+		}, func() (bool, string) {
+			c := &corev1.ConfigMap{}
+			err := k8s.Get(ctx, key, c)
+			return err == nil && c.Data["policy.yaml"] == policyFile, "ConfigMap not created again"
+		}},
+	}
+	for _, e := range edits {
+		t.Run(e.name, func(t *testing.T) {
+			before := driftEvents(t, ns)
+			if err := e.edit(); err != nil {
+				t.Fatal(err)
+			}
+			eventually(t, "put back", e.putBack)
+			eventually(t, "a DriftCorrected event", func() (bool, string) {
+				n := driftEvents(t, ns)
+				return n > before, "no new event"
+			})
+		})
+	}
+}
+
+func driftEvents(t *testing.T, ns string) int {
+	t.Helper()
+	var events eventsv1.EventList
+	if err := k8s.List(context.Background(), &events, client.InNamespace(ns)); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range events.Items {
+		if e.Reason == controllers.EventDriftCorrected && strings.HasPrefix(e.Note, "Put back ") {
+			n++
+		}
+	}
+	return n
+}
+
+// Objects the policy no longer renders are deleted: the managed Redis when storage moves to a
+// Redis of one's own, and the PodDisruptionBudget when replicas drop to one.
+func TestReconcileWhenStorageAndReplicasChangeThenObjectsNoLongerRenderedAreDeleted(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "prune")
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "prune", "api")
+	p.Spec.Storage = &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	redis := client.ObjectKey{Namespace: ns, Name: render.RedisName("sluice-prune")}
+	for _, o := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}} {
+		if err := k8s.Get(ctx, redis, o); err != nil {
+			t.Fatalf("managed Redis %T: %v", o, err)
+		}
+	}
+	updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) {
+		p.Spec.Storage = newPolicy(ns, "x", "api").Spec.Storage
+		p.Spec.Enforcer.Replicas = ptr.To[int32](1)
+	})
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	gone := func(o client.Object, key client.ObjectKey) func() (bool, string) {
+		return func() (bool, string) {
+			err := k8s.Get(ctx, key, o)
+			return apierrors.IsNotFound(err) || err == nil && o.GetDeletionTimestamp() != nil, "still there"
+		}
+	}
+	eventually(t, "the managed Redis Deployment deleted", gone(&appsv1.Deployment{}, redis))
+	eventually(t, "the managed Redis Service deleted", gone(&corev1.Service{}, redis))
+	eventually(t, "the PodDisruptionBudget deleted", gone(&policyv1.PodDisruptionBudget{}, client.ObjectKey{Namespace: ns, Name: "sluice-prune"}))
+}
+
+// A policy whose name has dots, which no Service may have, is programmed all the same.
+func TestReconcileWhenThePolicyNameHasDotsThenItIsProgrammed(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "dots")
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "shop.v2", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	svc := &corev1.Service{}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: render.Name(p)}, svc); err != nil {
+		t.Errorf("the enforcer Service %s: %v", render.Name(p), err)
+	}
+}
