@@ -199,6 +199,9 @@ func startCluster(masters, replicas int, nodeTimeout time.Duration) (*Cluster, e
 		s, err := start(true, standalone([]string{
 			"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
 			"--cluster-node-timeout", strconv.FormatInt(nodeTimeout.Milliseconds(), 10),
+			// A replica fails over however long ago it last heard from its master: on a busy
+			// machine the first sync can be late, and a test must not depend on it.
+			"--cluster-replica-validity-factor", "0",
 		}))
 		if err != nil {
 			c.Stop()
@@ -216,7 +219,33 @@ func startCluster(masters, replicas int, nodeTimeout time.Duration) (*Cluster, e
 		c.Stop()
 		return nil, err
 	}
+	if err := c.waitReplicasInSync(30 * time.Second); err != nil {
+		c.Stop()
+		return nil, err
+	}
 	return c, nil
+}
+
+// waitReplicasInSync waits until every replica's link to its master is up: only then has it the
+// master's data to take over with.
+func (c *Cluster) waitReplicasInSync(timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for _, n := range c.Nodes {
+		rc := redis.NewClient(&redis.Options{Addr: n.Addr()})
+		for {
+			info, err := rc.Info(context.Background(), "replication").Result()
+			if err == nil && (strings.Contains(info, "role:master") || strings.Contains(info, "master_link_status:up")) {
+				break
+			}
+			if time.Now().After(deadline) {
+				_ = rc.Close()
+				return fmt.Errorf("cluster replica %s not in sync after %v (%s): %w", n.Addr(), timeout, info, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		_ = rc.Close()
+	}
+	return nil
 }
 
 func (c *Cluster) waitOK(timeout time.Duration) error {
