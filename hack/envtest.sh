@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# Builds the test control plane (kube-apiserver and etcd) from Go modules, once per machine, into a
-# cache outside the repository, and prints the directory to use as KUBEBUILDER_ASSETS.
-# setup-envtest cannot download here; the Go module proxy is the only source of binaries.
-# A preset KUBEBUILDER_ASSETS that holds both binaries wins.
+# Builds the test control plane (kube-apiserver and etcd) and kubectl from Go modules, once per
+# machine, into a cache outside the repository, and prints the directory to use as
+# KUBEBUILDER_ASSETS. setup-envtest cannot download here; the Go module proxy is the only source
+# of binaries. A preset KUBEBUILDER_ASSETS that holds all three wins.
 set -euo pipefail
 
 K8S_VERSION=1.37.2
+BINARIES=(kube-apiserver etcd kubectl)
 here=$(cd "$(dirname "$0")" && pwd)
 
-if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "$KUBEBUILDER_ASSETS/kube-apiserver" && -x "$KUBEBUILDER_ASSETS/etcd" ]]; then
+complete() {
+	for bin in "${BINARIES[@]}"; do
+		[[ -x "$1/$bin" ]] || return 1
+	done
+}
+
+if [[ -n "${KUBEBUILDER_ASSETS:-}" ]] && complete "$KUBEBUILDER_ASSETS"; then
 	echo "$KUBEBUILDER_ASSETS"
 	exit 0
 fi
 
 dir="${XDG_CACHE_HOME:-$HOME/.cache}/sluice/k8s/$K8S_VERSION"
-if [[ -x "$dir/kube-apiserver" && -x "$dir/etcd" ]]; then
+if complete "$dir"; then
 	echo "$dir"
 	exit 0
 fi
@@ -23,17 +30,16 @@ mkdir -p "$dir"
 # One build at a time per machine: a second caller waits for the first and then uses its result.
 exec 9>"$dir/.lock"
 flock 9
-if [[ -x "$dir/kube-apiserver" && -x "$dir/etcd" ]]; then
-	echo "$dir"
-	exit 0
-fi
-echo "Building kube-apiserver and etcd $K8S_VERSION into $dir (once per machine; 15-20 minutes on 2 cores)..." >&2
 cd "$here/envtest"
 tmp=$(mktemp -d "$dir/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
-CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o "$tmp/kube-apiserver" ./kube-apiserver >&2
-CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o "$tmp/etcd" ./etcd >&2
-# Move into place only when both are built, so an interrupted build is never mistaken for a cache.
-mv "$tmp/etcd" "$dir/etcd"
-mv "$tmp/kube-apiserver" "$dir/kube-apiserver"
+# Each binary that is missing is built and moved into place whole, so an interrupted build is never
+# mistaken for a cache, and a cache from before kubectl was added only builds kubectl
+# (kube-apiserver and etcd: 15-20 minutes on 2 cores; kubectl: about 3).
+for bin in "${BINARIES[@]}"; do
+	[[ -x "$dir/$bin" ]] && continue
+	echo "Building $bin $K8S_VERSION into $dir (once per machine)..." >&2
+	CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o "$tmp/$bin" "./$bin" >&2
+	mv "$tmp/$bin" "$dir/$bin"
+done
 echo "$dir"
