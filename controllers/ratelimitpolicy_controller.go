@@ -99,6 +99,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, err
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
+	obs.image = objs.Deployment.Spec.Template.Spec.Containers[0].Image
 
 	dep := &appsv1.Deployment{}
 	if err := r.Get(ctx, client.ObjectKeyFromObject(objs.Deployment), dep); err != nil {

@@ -24,6 +24,7 @@ type observation struct {
 	revision   string
 	service    string
 	replicas   int32
+	image      string
 	deployment *appsv1.Deployment
 	// targetMissing is true when the target Service does not exist.
 	targetMissing bool
@@ -81,7 +82,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 	}
 
 	if obs.programmed {
-		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Replicas: obs.replicas, ConfigRevision: obs.revision}
+		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Replicas: obs.replicas, Image: obs.image, ConfigRevision: obs.revision}
 		if obs.deployment != nil {
 			st.Enforcer.ReadyReplicas = obs.deployment.Status.ReadyReplicas
 		}

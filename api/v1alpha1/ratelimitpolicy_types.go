@@ -453,6 +453,7 @@ type RedisStorage struct {
 	// timeout bounds every Redis call of a decision. When it passes, rules apply their
 	// failureMode. Defaults to 50ms.
 	// +optional
+	// +kubebuilder:default="50ms"
 	Timeout *Duration `json:"timeout,omitempty"`
 }
 
@@ -594,9 +595,16 @@ type EnforcerStatus struct {
 	// +kubebuilder:validation:MaxLength=63
 	ServiceName string `json:"serviceName,omitempty"`
 
-	// replicas is the desired number of enforcer pods.
+	// replicas is the desired number of enforcer pods: spec.enforcer.replicas, or 1 with memory
+	// storage and 2 otherwise.
 	// +optional
 	Replicas int32 `json:"replicas,omitempty"`
+
+	// image is the enforcer image the pods run: spec.enforcer.image, or the manager's
+	// --enforcer-image.
+	// +optional
+	// +kubebuilder:validation:MaxLength=512
+	Image string `json:"image,omitempty"`
 
 	// readyReplicas is the number of enforcer pods that are ready with the current config.
 	// +optional

@@ -111,8 +111,12 @@ func main() {
 		log.Error(err, "Unable to set up the RateLimitPolicy controller")
 		os.Exit(1)
 	}
-	if err := webhook.Setup(mgr, defaults); err != nil {
+	if err := webhook.Setup(mgr); err != nil {
 		log.Error(err, "Unable to set up the RateLimitPolicy webhook")
+		os.Exit(1)
+	}
+	if err := mgr.Add(webhook.RemoveObsolete{Client: mgr.GetClient(), Name: webhook.ObsoleteDefaultingWebhook}); err != nil {
+		log.Error(err, "Unable to add the removal of the obsolete defaulting webhook")
 		os.Exit(1)
 	}
 	readyz := mgr.GetWebhookServer().StartedChecker()
@@ -144,9 +148,9 @@ type leaseFlags struct{ duration, renew, retry time.Duration }
 
 // webhookFlags say where the webhook listens and where its certificate comes from.
 type webhookFlags struct {
-	host, certDir, namespace, secret, hosts, mutating, validating string
-	port                                                          int
-	caValidity, certValidity, interval                            time.Duration
+	host, certDir, namespace, secret, hosts, validating string
+	port                                                int
+	caValidity, certValidity, interval                  time.Duration
 }
 
 func (f *webhookFlags) bind(fs *flag.FlagSet) {
@@ -158,7 +162,6 @@ func (f *webhookFlags) bind(fs *flag.FlagSet) {
 	fs.StringVar(&f.secret, "webhook-secret", "sluice-webhook-certs", "Secret in --namespace that holds the built-in certificates.")
 	fs.StringVar(&f.hosts, "webhook-cert-hosts", "", "Comma-separated DNS names and IPs of the built-in certificate. "+
 		"Empty means sluice-webhook-service.<namespace>.svc and its cluster.local form.")
-	fs.StringVar(&f.mutating, "mutating-webhook-configuration", "sluice-mutating-webhook-configuration", "MutatingWebhookConfiguration whose caBundle the built-in certificates keep.")
 	fs.StringVar(&f.validating, "validating-webhook-configuration", "sluice-validating-webhook-configuration", "ValidatingWebhookConfiguration whose caBundle the built-in certificates keep.")
 	fs.DurationVar(&f.caValidity, "webhook-ca-validity", 10*365*24*time.Hour, "Lifetime of a built-in CA; renewed with a third left.")
 	fs.DurationVar(&f.certValidity, "webhook-cert-validity", 90*24*time.Hour, "Lifetime of a built-in serving certificate; renewed with a third left.")
@@ -186,7 +189,6 @@ func (f *webhookFlags) server(cfg *rest.Config, scheme *runtime.Scheme) (ctrlweb
 		Client:             c,
 		Secret:             types.NamespacedName{Namespace: f.namespace, Name: f.secret},
 		Hosts:              hosts,
-		MutatingWebhooks:   []string{f.mutating},
 		ValidatingWebhooks: []string{f.validating},
 		CAValidity:         f.caValidity,
 		CertValidity:       f.certValidity,

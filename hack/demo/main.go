@@ -103,8 +103,9 @@ func run(ctx context.Context, dir string) error {
 	if err := waitProgrammed(ctx, env.Client, policy); err != nil {
 		return err
 	}
-	detail("accepted by the webhook and defaulted: enforcer image %s, %d replicas, failureMode %s, redis timeout %s",
-		policy.Spec.Enforcer.Image, *policy.Spec.Enforcer.Replicas, policy.Spec.Rules[0].FailureMode, *policy.Spec.Storage.Redis.Timeout)
+	detail("accepted by the webhook; stored as written, with the schema's defaults (defaultFailureMode %s, redis timeout %s)",
+		policy.Spec.DefaultFailureMode, *policy.Spec.Storage.Redis.Timeout)
+	detail("programmed by the controller: enforcer image %s, %d replicas (status.enforcer)", policy.Status.Enforcer.Image, policy.Status.Enforcer.Replicas)
 
 	step("Running the enforcer the controller rendered (no kubelet here: the demo plays its part)")
 	enforcer, err := local.RunEnforcer(ctx, env.Client, enforcerBin, key, "http://"+upstream.Addr, dir, logFile)

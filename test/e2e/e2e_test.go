@@ -335,11 +335,14 @@ func TestManagerWhenCertificatesComeFromADirectoryThenTheWebhookServesThem(t *te
 			Rules:     []v1alpha1.Rule{{Name: "all", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyRemoteAddress}}, FixedWindow: &v1alpha1.Window{Limit: 1, Window: "1s"}}},
 		},
 	}
+	// The webhook fails closed: a create that passes reached it, and one that only it refuses
+	// is refused by it.
 	if err := env.Client.Create(ctx, p, client.DryRunAll); err != nil {
 		t.Fatal(err)
 	}
-	if p.Spec.Enforcer == nil || p.Spec.Enforcer.Image != "sluice-enforcer:from-dir" {
-		t.Errorf("enforcer = %+v; want the defaulting webhook to have set the manager's image", p.Spec.Enforcer)
+	p.Spec.Rules[0].Key = append(p.Spec.Rules[0].Key, p.Spec.Rules[0].Key[0])
+	if err := env.Client.Create(ctx, p, client.DryRunAll); err == nil || !strings.Contains(err.Error(), "denied the request") {
+		t.Errorf("a repeated key part: %v, want the webhook's denial", err)
 	}
 	var secrets corev1.SecretList
 	if err := env.Client.List(ctx, &secrets, client.InNamespace(local.Namespace)); err != nil {

@@ -184,7 +184,6 @@ func StartManager(ctx context.Context, env *testenv.Env, bin, kubeconfig string,
 		"--webhook-port=" + strconv.Itoa(env.Webhook.LocalServingPort),
 		"--namespace=" + Namespace,
 		"--webhook-cert-hosts=localhost," + env.Webhook.LocalServingHost,
-		"--mutating-webhook-configuration=mutating-webhook-configuration",
 		"--validating-webhook-configuration=validating-webhook-configuration",
 	}, extra...)
 	p, err := Start("manager", log, bin, args...)

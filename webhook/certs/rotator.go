@@ -50,7 +50,6 @@ const backdate = 5 * time.Minute
 // The Secret lives in the manager's namespace; only the two configurations of config/default are
 // touched.
 // +kubebuilder:rbac:groups="",namespace=system,resources=secrets,verbs=get;create;update
-// +kubebuilder:rbac:groups=admissionregistration.k8s.io,resources=mutatingwebhookconfigurations,resourceNames=sluice-mutating-webhook-configuration,verbs=get;update
 // +kubebuilder:rbac:groups=admissionregistration.k8s.io,resources=validatingwebhookconfigurations,resourceNames=sluice-validating-webhook-configuration,verbs=get;update
 
 // Rotator keeps the webhook certificate. It is a manager.Runnable that runs on every replica:

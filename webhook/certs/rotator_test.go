@@ -22,7 +22,6 @@ import (
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/test/testenv"
 	"github.com/sluice-dev/sluice/webhook"
 	"github.com/sluice-dev/sluice/webhook/certs"
@@ -47,7 +46,6 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 		Client:             k8s,
 		Secret:             types.NamespacedName{Namespace: "default", Name: "sluice-webhook-certs"},
 		Hosts:              []string{"localhost", env.Webhook.LocalServingHost},
-		MutatingWebhooks:   []string{"mutating-webhook-configuration"},
 		ValidatingWebhooks: []string{"validating-webhook-configuration"},
 		CAValidity:         15 * time.Second, // renewed at 10s
 		CertValidity:       6 * time.Second,  // renewed every 4s
@@ -64,7 +62,7 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := webhook.Setup(mgr, render.Defaults{EnforcerImage: "enforcer:test"}); err != nil {
+	if err := webhook.Setup(mgr); err != nil {
 		t.Fatal(err)
 	}
 	if err := mgr.Add(rotator); err != nil {
@@ -82,13 +80,8 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 				Rules:     []v1alpha1.Rule{{Name: "all", FixedWindow: &v1alpha1.Window{Limit: 1, Window: "1s"}}},
 			},
 		}
-		if err := k8s.Create(ctx, p, client.DryRunAll); err != nil {
-			return err
-		}
-		if p.Spec.Enforcer == nil || p.Spec.Enforcer.Image != "enforcer:test" {
-			return fmt.Errorf("the mutating webhook did not run: enforcer = %+v", p.Spec.Enforcer)
-		}
-		return nil
+		// The webhook fails closed: an admission that passes reached it.
+		return k8s.Create(ctx, p, client.DryRunAll)
 	}
 	deadline := time.Now().Add(20 * time.Second)
 	for err := admit(); err != nil; err = admit() {
@@ -121,27 +114,13 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 }
 
 // servedAndTrusted dials the webhook server and checks its certificate against the caBundle that
-// both webhook configurations carry now. The rotator writes the two one after the other, so a
-// read between the writes sees them differ; they must agree again within a second.
+// the webhook configuration carries now.
 func servedAndTrusted(ctx context.Context, k8s client.Client, addr, host string) (*x509.Certificate, error) {
-	var bundle []byte
-	for deadline := time.Now().Add(time.Second); ; time.Sleep(50 * time.Millisecond) {
-		var mutating admissionregistrationv1.MutatingWebhookConfiguration
-		var validating admissionregistrationv1.ValidatingWebhookConfiguration
-		if err := k8s.Get(ctx, client.ObjectKey{Name: "mutating-webhook-configuration"}, &mutating); err != nil {
-			return nil, err
-		}
-		if err := k8s.Get(ctx, client.ObjectKey{Name: "validating-webhook-configuration"}, &validating); err != nil {
-			return nil, err
-		}
-		bundle = mutating.Webhooks[0].ClientConfig.CABundle
-		if string(bundle) == string(validating.Webhooks[0].ClientConfig.CABundle) {
-			break
-		}
-		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("the two configurations carry different CA bundles for over a second")
-		}
+	var validating admissionregistrationv1.ValidatingWebhookConfiguration
+	if err := k8s.Get(ctx, client.ObjectKey{Name: "validating-webhook-configuration"}, &validating); err != nil {
+		return nil, err
 	}
+	bundle := validating.Webhooks[0].ClientConfig.CABundle
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(bundle)
 	conn, err := tls.Dial("tcp", addr, &tls.Config{InsecureSkipVerify: true}) //nolint:gosec // verified below against the bundle
