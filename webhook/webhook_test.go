@@ -208,9 +208,8 @@ func requireAsWritten(t *testing.T, written, got *v1alpha1.RateLimitPolicy) {
 	s := got.Spec
 	for i, r := range s.Rules {
 		w := written.Spec.Rules[i]
-		if r.Cost == nil || (w.Cost != nil && *r.Cost != *w.Cost) || (w.Cost == nil && *r.Cost != 1) || r.Mode == "" || r.FailureMode != w.FailureMode {
-			t.Errorf("rule %s: cost %v mode %q failureMode %q; want cost as written or 1, a mode, failureMode as written (%q)",
-				r.Name, r.Cost, r.Mode, r.FailureMode, w.FailureMode)
+		if diff := cmp.Diff(w, r); diff != "" {
+			t.Errorf("rule %s changed at admission (-written +stored):\n%s", r.Name, diff)
 		}
 	}
 	if diff := cmp.Diff(written.Spec.Enforcer, s.Enforcer); diff != "" {

@@ -158,22 +158,21 @@ type Rule struct {
 	Key []KeySource `json:"key,omitempty"`
 
 	// cost is how many units one request consumes. 0 checks the limit without consuming anything.
+	// Defaults to 1.
 	// +optional
-	// +kubebuilder:default=1
 	// +kubebuilder:validation:Minimum=0
 	// +kubebuilder:validation:Maximum=1000000000
 	Cost *int64 `json:"cost,omitempty"`
 
 	// failureMode says what the rule decides when its storage cannot answer: Open lets requests
-	// through, Closed refuses them with 503. When absent, the admission webhook sets it to
+	// through, Closed refuses them with 503. When absent, the rule follows
 	// spec.defaultFailureMode.
 	// +optional
 	FailureMode FailureMode `json:"failureMode,omitempty"`
 
 	// mode is Enforce to refuse requests over the limit, or Shadow to only count the requests that
-	// would have been refused.
+	// would have been refused. Defaults to Enforce.
 	// +optional
-	// +kubebuilder:default=Enforce
 	Mode RuleMode `json:"mode,omitempty"`
 }
 
@@ -283,12 +282,12 @@ type HTTPMethod string
 
 // PathMatch matches the request path.
 //
-// +kubebuilder:validation:XValidation:rule="self.type == 'RegularExpression' || self.value.startsWith('/')",message="value must start with '/' for types Exact and Prefix",fieldPath=".value"
+// +kubebuilder:validation:XValidation:rule="(has(self.type) && self.type == 'RegularExpression') || self.value.startsWith('/')",message="value must start with '/' for types Exact and Prefix",fieldPath=".value"
 type PathMatch struct {
 	// type is how value is compared: Exact, Prefix (whole path segments: /api matches /api and
 	// /api/users but not /apis) or RegularExpression (RE2 syntax, matched against the whole path).
+	// Defaults to Prefix.
 	// +optional
-	// +kubebuilder:default=Prefix
 	Type PathMatchType `json:"type,omitempty"`
 
 	// value is the path or the expression.

@@ -123,3 +123,13 @@ func Namespace(t testing.TB, c client.Client, prefix string) string {
 	}
 	return ns.Name
 }
+
+// RuleOf returns rule i of an unstructured policy's spec, as written.
+func RuleOf(t testing.TB, u *unstructured.Unstructured, i int) map[string]any {
+	t.Helper()
+	rules, _, err := unstructured.NestedSlice(u.Object, "spec", "rules")
+	if err != nil || i >= len(rules) {
+		t.Fatalf("rule %d of %s: %v", i, u.GetName(), err)
+	}
+	return rules[i].(map[string]any)
+}

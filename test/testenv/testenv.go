@@ -83,6 +83,11 @@ func Start(opts ...Option) (*Env, error) {
 	return &Env{Config: cfg, Client: c, Webhook: env.WebhookInstallOptions, env: env}, nil
 }
 
+// Kubectl is the path of the kubectl that hack/envtest.sh built beside the control plane.
+func (e *Env) Kubectl() string {
+	return filepath.Join(e.env.BinaryAssetsDirectory, "kubectl")
+}
+
 // Stop stops the control plane.
 func (e *Env) Stop() error { return e.env.Stop() }
 
