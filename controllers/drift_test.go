@@ -12,6 +12,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -171,5 +172,36 @@ func TestReconcileWhenThePolicyNameHasDotsThenItIsProgrammed(t *testing.T) {
 	svc := &corev1.Service{}
 	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: render.Name(p)}, svc); err != nil {
 		t.Errorf("the enforcer Service %s: %v", render.Name(p), err)
+	}
+}
+
+// An object in the way that the policy does not own is never taken over: the policy is Stalled
+// with the reason, so kstatus reports Failed and `kubectl wait` and Flux stop waiting, and the
+// object is left as it was.
+func TestReconcileWhenAnObjectItDoesNotOwnIsInTheWayThenStalledAndLeftAlone(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "stalled")
+	targetService(t, ns, "api")
+	squatter := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-squat"}, Data: map[string]string{"mine": "yes"}}
+	if err := k8s.Create(ctx, squatter); err != nil {
+		t.Fatal(err)
+	}
+	p := newPolicy(ns, "squat", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionStalled, metav1.ConditionTrue, v1alpha1.ReasonApplyFailed)
+	if c := condition(t, p, v1alpha1.ConditionStalled); !strings.Contains(c.Message, "ConfigMap sluice-squat exists and is not owned by this policy") {
+		t.Errorf("Stalled message %q does not name the object in the way", c.Message)
+	}
+	if s := kstatus(t, p); s != status.FailedStatus {
+		t.Errorf("kstatus = %s, want Failed", s)
+	}
+	got := &corev1.ConfigMap{}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(squatter), got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Data["mine"] != "yes" || len(got.OwnerReferences) != 0 {
+		t.Errorf("the ConfigMap in the way was changed: %+v", got)
 	}
 }

@@ -96,6 +96,17 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	}
 	if err := r.apply(ctx, p, objs); err != nil {
 		obs.applyErr = err
+		var inTheWay *notOwnedError
+		switch {
+		case errors.As(err, &inTheWay):
+			// Final until someone removes the object, which no event of ours announces: look
+			// again now and then, without the error backoff.
+			obs.stalled = true
+			return ctrl.Result{RequeueAfter: stalledRecheck}, nil
+		case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
+			obs.stalled = true // only a change of the spec, or of the manager, can fix it
+			return ctrl.Result{}, reconcile.TerminalError(err)
+		}
 		return ctrl.Result{}, err
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
@@ -174,6 +185,9 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 		case err != nil:
 			return err
 		default:
+			if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+				return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
+			}
 			liveU, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
 			if err != nil {
 				return err
@@ -208,6 +222,17 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 		}
 	}
 	return nil
+}
+
+// stalledRecheck is how often a policy stalled by an object in its way looks again.
+const stalledRecheck = 5 * time.Minute
+
+// notOwnedError says that an object the policy renders exists and belongs to something else.
+// The controller never takes such an object over.
+type notOwnedError struct{ kind, name string }
+
+func (e *notOwnedError) Error() string {
+	return fmt.Sprintf("%s %s exists and is not owned by this policy: delete or rename it, or rename the policy", e.kind, e.name)
 }
 
 // deleteOwned deletes obj if it exists and the policy controls it.

@@ -17,8 +17,9 @@ type observation struct {
 	invalid string
 	// conflictsWith names the older policy that targets the same Service.
 	conflictsWith string
-	// applyErr is set when applying an object failed.
+	// applyErr is set when applying an object failed; stalled when no retry can fix it.
 	applyErr error
+	stalled  bool
 	// programmed is true once every object was applied.
 	programmed bool
 	revision   string
@@ -53,6 +54,9 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		msg := fmt.Sprintf("RateLimitPolicy %s already targets Service %s", obs.conflictsWith, p.Spec.TargetRef.Name)
 		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonConflicted, msg)
 		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonConflicted, msg)
+	case obs.stalled:
+		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
+		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
 	default:
 		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
 		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
@@ -70,7 +74,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 
 	ready, reason, msg := deploymentReady(obs)
 	set(v1alpha1.ConditionReady, ready, reason, msg)
-	set(v1alpha1.ConditionReconciling, accepted && !ready, reason, msg)
+	set(v1alpha1.ConditionReconciling, accepted && !obs.stalled && !ready, reason, msg)
 
 	switch {
 	case obs.targetMissing:

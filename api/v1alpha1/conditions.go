@@ -16,8 +16,9 @@ const (
 	// ConditionReconciling is True while the enforcer does not yet run the current spec. With
 	// Stalled it follows the kstatus convention that Argo CD and Flux read health from.
 	ConditionReconciling = "Reconciling"
-	// ConditionStalled is True when the controller cannot make progress until the spec changes,
-	// such as an invalid or conflicting policy.
+	// ConditionStalled is True when the controller cannot make progress until the spec or the
+	// cluster changes: an invalid or conflicting policy, an enforcer object the API server refuses,
+	// or an object in the way that the policy does not own.
 	ConditionStalled = "Stalled"
 )
 
@@ -35,7 +36,8 @@ const (
 const (
 	// ReasonProgrammed: every enforcer object was applied.
 	ReasonProgrammed = "Programmed"
-	// ReasonApplyFailed: applying an enforcer object failed; the message says which.
+	// ReasonApplyFailed: applying an enforcer object failed; the message says which. With
+	// Stalled True no retry can fix it.
 	ReasonApplyFailed = "ApplyFailed"
 	// ReasonNotAccepted: nothing is programmed because the policy is not accepted.
 	ReasonNotAccepted = "NotAccepted"
