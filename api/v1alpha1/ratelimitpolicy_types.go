@@ -58,7 +58,7 @@ type RateLimitPolicySpec struct {
 	// +listMapKey=name
 	// +kubebuilder:validation:MinItems=1
 	// +kubebuilder:validation:MaxItems=32
-	Rules []Rule `json:"rules"`
+	Rules []Rule `json:"rules,omitempty"`
 
 	// trustedProxies are the CIDRs of proxies in front of the enforcer. X-Forwarded-For is believed
 	// only when the peer is inside one of them; otherwise the peer address identifies the client.
@@ -89,13 +89,13 @@ type TargetRef struct {
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=63
 	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="must be a Service name: lowercase letters, digits and '-', starting with a letter"
-	Name string `json:"name"`
+	Name string `json:"name,omitempty"`
 
 	// port is the Service port that receives the traffic that passes.
 	// +required
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=65535
-	Port int32 `json:"port"`
+	Port int32 `json:"port,omitempty"`
 }
 
 // Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.
@@ -112,7 +112,7 @@ type Rule struct {
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=63
 	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",message="must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"
-	Name string `json:"name"`
+	Name string `json:"name,omitempty"`
 
 	// tokenBucket admits bursts up to capacity and refills at a steady rate.
 	// +optional
@@ -183,7 +183,7 @@ type TokenBucket struct {
 	// +required
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=1000000000
-	Capacity int64 `json:"capacity"`
+	Capacity int64 `json:"capacity,omitempty"`
 
 	// refill is the steady rate at which the bucket fills.
 	// +required
@@ -196,11 +196,11 @@ type TokenRefill struct {
 	// +required
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=1000000000
-	Tokens int64 `json:"tokens"`
+	Tokens int64 `json:"tokens,omitempty"`
 
 	// period is the time in which tokens are added.
 	// +required
-	Period Duration `json:"period"`
+	Period Duration `json:"period,omitempty"`
 }
 
 // LeakyBucket is a bounded queue that drains at a fixed rate. Each request is given a departure
@@ -210,7 +210,7 @@ type LeakyBucket struct {
 	// +required
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=1000000
-	Capacity int64 `json:"capacity"`
+	Capacity int64 `json:"capacity,omitempty"`
 
 	// drain is the fixed rate at which the queue releases requests.
 	// +required
@@ -228,11 +228,11 @@ type DrainRate struct {
 	// +required
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=1000000000
-	Requests int64 `json:"requests"`
+	Requests int64 `json:"requests,omitempty"`
 
 	// period is the time in which requests are released.
 	// +required
-	Period Duration `json:"period"`
+	Period Duration `json:"period,omitempty"`
 }
 
 // Window admits limit units per window.
@@ -241,19 +241,19 @@ type Window struct {
 	// +required
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=1000000000
-	Limit int64 `json:"limit"`
+	Limit int64 `json:"limit,omitempty"`
 
 	// window is the length of the window.
 	// +required
-	Window Duration `json:"window"`
+	Window Duration `json:"window,omitempty"`
 }
 
 // Duration is a length of time made of whole hours (h), minutes (m), seconds (s) and
 // milliseconds (ms), such as "500ms", "1s", "1m30s" or "24h", from 1ms to 720h (30 days).
 //
 // +kubebuilder:validation:MaxLength=32
-// +kubebuilder:validation:XValidation:rule="self.matches('^([0-9]{1,5}(h|m|s|ms)){1,4}$')",message="must be a duration of whole h, m, s and ms, such as 500ms, 1s, 1m30s or 24h"
-// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]{1,5}(h|m|s|ms)){1,4}$') || (duration(self) >= duration('1ms') && duration(self) <= duration('720h'))",message="must be at least 1ms and at most 720h (30 days)"
+// +kubebuilder:validation:XValidation:rule="self.matches('^([0-9]{1,10}(h|m|s|ms)){1,4}$')",message="must be a duration of whole h, m, s and ms, such as 500ms, 1s, 1m30s or 24h"
+// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]{1,10}(h|m|s|ms)){1,4}$') || (duration(self) >= duration('1ms') && duration(self) <= duration('720h'))",message="must be at least 1ms and at most 720h (30 days)"
 type Duration string
 
 // Match selects requests. All of its parts must match.
@@ -294,7 +294,7 @@ type PathMatch struct {
 	// +required
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=1024
-	Value string `json:"value"`
+	Value string `json:"value,omitempty"`
 }
 
 // PathMatchType is how a path is compared.
@@ -313,7 +313,7 @@ const (
 type HeaderMatch struct {
 	// name is the header name, compared without regard to case.
 	// +required
-	Name HeaderName `json:"name"`
+	Name HeaderName `json:"name,omitempty"`
 
 	// value is the exact value the header must have. Absent means any value: the header must
 	// only be present.
@@ -336,7 +336,7 @@ type KeySource struct {
 	// type is the part of the request: RemoteAddress (the client address, see
 	// spec.trustedProxies), Header (the value of header name), Method or Path.
 	// +required
-	Type KeySourceType `json:"type"`
+	Type KeySourceType `json:"type,omitempty"`
 
 	// name is the header to read, with type Header.
 	// +optional
@@ -426,7 +426,7 @@ type RedisStorage struct {
 	// +listType=set
 	// +kubebuilder:validation:MinItems=1
 	// +kubebuilder:validation:MaxItems=16
-	Addresses []HostPort `json:"addresses"`
+	Addresses []HostPort `json:"addresses,omitempty"`
 
 	// masterName is the name of the master set that the sentinels watch. Sentinel only.
 	// +optional
@@ -488,7 +488,7 @@ type CredentialsSecretRef struct {
 	// +required
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
-	Name string `json:"name"`
+	Name string `json:"name,omitempty"`
 
 	// usernameKey is the key of the username. Absent means no username (Redis "default" user).
 	// +optional
@@ -524,13 +524,13 @@ type SecretKeyRef struct {
 	// +required
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
-	Name string `json:"name"`
+	Name string `json:"name,omitempty"`
 
 	// key is the key inside the Secret.
 	// +required
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
-	Key string `json:"key"`
+	Key string `json:"key,omitempty"`
 }
 
 // ManagedRedis is a Redis that the operator runs for this policy, configured as a rate-limit

@@ -5,13 +5,16 @@ package crd_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -211,5 +214,57 @@ func TestDurationWhenAcceptedByTheSchemaThenParsesInGo(t *testing.T) {
 		if _, err := d.Parse(); err != nil {
 			t.Errorf("window %q accepted by the schema but not by Go: %v", d, err)
 		}
+	}
+}
+
+// What a user reads when admission refuses a policy: a field left out is "Required value" at
+// that field, also when a typed Go client sends the struct's zero values; a duration in the
+// milliseconds the API documents is accepted up to its bound; one wrong value is reported once.
+func TestAdmissionMessagesWhenAPolicyIsIncompleteOrWrongThenEachFieldIsNamedOnceAsUsersExpect(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "messages")
+	causes := func(err error) map[string][]string {
+		t.Helper()
+		var status apierrors.APIStatus
+		if !errors.As(err, &status) || status.Status().Details == nil {
+			t.Fatalf("got %v, want an Invalid error with causes", err)
+		}
+		out := map[string][]string{}
+		for _, c := range status.Status().Details.Causes {
+			if c.Field != "" && c.Field != "<nil>" {
+				out[c.Field] = append(out[c.Field], c.Message)
+			}
+		}
+		return out
+	}
+
+	empty := &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "empty"}}
+	got := causes(k8s.Create(ctx, empty, client.DryRunAll))
+	want := map[string][]string{"spec.targetRef.name": {"Required value"}, "spec.targetRef.port": {"Required value"}, "spec.rules": {"Required value"}}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("a typed client's empty policy (-want +got):\n%s", diff)
+	}
+
+	withWindow := func(window string) *v1alpha1.RateLimitPolicy {
+		return &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "ms"}, Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "api", Port: 80},
+			Rules:     []v1alpha1.Rule{{Name: "a", FixedWindow: &v1alpha1.Window{Limit: 5, Window: v1alpha1.Duration(window)}}},
+		}}
+	}
+	for _, w := range []string{"100000ms", "2592000000ms", "1h100000ms"} {
+		if err := k8s.Create(ctx, withWindow(w), client.DryRunAll); err != nil {
+			t.Errorf("window %s: %v, want accepted", w, err)
+		}
+	}
+	got = causes(k8s.Create(ctx, withWindow("2592000001ms"), client.DryRunAll))
+	if m := got["spec.rules[0].fixedWindow.window"]; len(m) != 1 || !strings.Contains(m[0], "at most 720h") {
+		t.Errorf("a window over 720h: %v, want one message at the window saying at most 720h", got)
+	}
+
+	wrong := withWindow("1s")
+	wrong.Spec.DefaultFailureMode = "closed"
+	got = causes(k8s.Create(ctx, wrong, client.DryRunAll))
+	if len(got) != 1 || len(got["spec.defaultFailureMode"]) != 1 {
+		t.Errorf("a misspelt defaultFailureMode: %v, want one message, at spec.defaultFailureMode", got)
 	}
 }
