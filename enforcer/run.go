@@ -292,9 +292,6 @@ func (e *Enforcer) Wait() error {
 	return e.err
 }
 
-// Limiter is the enforcer's limiter.
-func (e *Enforcer) Limiter() *limiter.Limiter { return e.limiter }
-
 // watch polls the policy file and applies valid changes. Polling, rather than inotify, follows
 // the symlink swaps with which the kubelet updates mounted ConfigMaps.
 func (e *Enforcer) watch(ctx context.Context) {

@@ -123,9 +123,6 @@ func New(opts Options) *Limiter {
 // names, so unchanged rules keep their state.
 func (l *Limiter) SetPolicies(ps []*policy.Policy) { l.policies.Store(&ps) }
 
-// Policies are the current policies.
-func (l *Limiter) Policies() []*policy.Policy { return *l.policies.Load() }
-
 type matched struct {
 	rule   *policy.Rule
 	policy string
