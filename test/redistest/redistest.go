@@ -226,40 +226,35 @@ func startCluster(masters, replicas int, nodeTimeout time.Duration) (*Cluster, e
 	return c, nil
 }
 
+func (c *Cluster) waitOK(timeout time.Duration) error {
+	return c.waitEach(timeout, "cluster state ok", func(rc *redis.Client) (string, error) {
+		return rc.ClusterInfo(context.Background()).Result()
+	}, func(info string) bool { return strings.Contains(info, "cluster_state:ok") })
+}
+
 // waitReplicasInSync waits until every replica's link to its master is up: only then has it the
 // master's data to take over with.
 func (c *Cluster) waitReplicasInSync(timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for _, n := range c.Nodes {
-		rc := redis.NewClient(&redis.Options{Addr: n.Addr()})
-		for {
-			info, err := rc.Info(context.Background(), "replication").Result()
-			if err == nil && (strings.Contains(info, "role:master") || strings.Contains(info, "master_link_status:up")) {
-				break
-			}
-			if time.Now().After(deadline) {
-				_ = rc.Close()
-				return fmt.Errorf("cluster replica %s not in sync after %v (%s): %w", n.Addr(), timeout, info, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-		_ = rc.Close()
-	}
-	return nil
+	return c.waitEach(timeout, "replication in sync", func(rc *redis.Client) (string, error) {
+		return rc.Info(context.Background(), "replication").Result()
+	}, func(info string) bool {
+		return strings.Contains(info, "role:master") || strings.Contains(info, "master_link_status:up")
+	})
 }
 
-func (c *Cluster) waitOK(timeout time.Duration) error {
+// waitEach polls every node with read until done holds for what it read, all within timeout.
+func (c *Cluster) waitEach(timeout time.Duration, what string, read func(*redis.Client) (string, error), done func(string) bool) error {
 	deadline := time.Now().Add(timeout)
 	for _, n := range c.Nodes {
 		rc := redis.NewClient(&redis.Options{Addr: n.Addr()})
 		for {
-			info, err := rc.ClusterInfo(context.Background()).Result()
-			if err == nil && strings.Contains(info, "cluster_state:ok") {
+			info, err := read(rc)
+			if err == nil && done(info) {
 				break
 			}
 			if time.Now().After(deadline) {
 				_ = rc.Close()
-				return fmt.Errorf("cluster node %s not ok after %v (%s): %w", n.Addr(), timeout, info, err)
+				return fmt.Errorf("cluster node %s: no %s after %v (%s): %w", n.Addr(), what, timeout, info, err)
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
