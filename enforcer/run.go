@@ -256,8 +256,9 @@ func (e *Enforcer) run(serve func() error, shutdown func(context.Context) error)
 }
 
 // stop is the enforcer's end, in the order that loses no request: fail /readyz; keep serving for
-// ShutdownDelay while endpoints drop the pod; stop accepting and drain what is in flight; close
-// the store the drained requests were decided by; stop the admin server; report done.
+// ShutdownDelay while endpoints drop the pod; stop accepting and drain what is in flight; stop
+// the admin server; once every server and the policy watch have returned, close the store the
+// drained requests were decided by; report done.
 func (e *Enforcer) stop(delay time.Duration) {
 	defer close(e.done)
 	e.stopping.Store(true)
