@@ -44,12 +44,12 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	}
 	serveForwarder(t, net.JoinHostPort(host, strconv.Itoa(env.Webhook.LocalServingPort)), backends)
 
-	const leaseDuration = 4 * time.Second
+	const leaseDuration, retryPeriod = 4 * time.Second, 500 * time.Millisecond
 	start := func(backend string) *local.Process {
 		_, port, _ := net.SplitHostPort(backend)
 		p, err := local.StartManager(ctx, env, c.managerBin, c.kubeconfig, logs, "--webhook-port="+port,
 			"--leader-elect", "--leader-elect-lease-duration="+leaseDuration.String(),
-			"--leader-elect-renew-deadline=3s", "--leader-elect-retry-period=500ms")
+			"--leader-elect-renew-deadline=3s", "--leader-elect-retry-period="+retryPeriod.String())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,6 +114,18 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	if err := k8s.Create(ctx, policy("after")); err != nil {
 		t.Fatalf("create a policy after the leader died: %v", err)
 	}
+	// The lease can change hands only once it expires: within the lease duration of the last
+	// renewal, and the retry period after that.
+	waitFor(t, 30*time.Second, func() error {
+		if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
+			return err
+		}
+		if h := lease.Spec.HolderIdentity; h == nil || *h == first {
+			return errors.New("the killed leader still holds the lease")
+		}
+		return nil
+	})
+	acquired := time.Since(killed)
 	key := types.NamespacedName{Namespace: ns.Name, Name: "sluice-after"}
 	waitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
 	took := time.Since(killed)
@@ -127,13 +139,17 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	if h := lease.Spec.HolderIdentity; h == nil || *h == first {
 		t.Errorf("the lease is still held by %v, the killed leader", h)
 	}
+	if limit := leaseDuration + retryPeriod + time.Second; acquired > limit {
+		t.Errorf("the other manager took the lease %v after the kill, want within the lease duration and a retry period (%v)", acquired, limit)
+	}
 	if limit := leaseDuration + 3*time.Second; took > limit {
 		t.Errorf("the policy created after the kill was reconciled %v after it, want within the lease duration and the caches' sync (%v)", took, limit)
 	}
 	if n := failed.Load(); n > 0 {
 		t.Errorf("%d of %d admissions failed during the switch; last: %v", n, n+admitted.Load(), lastErr.Load())
 	}
-	t.Logf("the new leader reconciled %v after the kill (lease %v); %d admissions, %d failed", took.Round(10*time.Millisecond), leaseDuration, admitted.Load(), failed.Load())
+	t.Logf("the other manager took the lease %v and reconciled %v after the kill (lease %v, retry %v); %d admissions, %d failed",
+		acquired.Round(10*time.Millisecond), took.Round(10*time.Millisecond), leaseDuration, retryPeriod, admitted.Load(), failed.Load())
 }
 
 // serveForwarder accepts connections on addr and pipes each to the first backend that accepts
