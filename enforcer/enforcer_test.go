@@ -247,6 +247,7 @@ func TestProxyWhenLeakyBucketIsFloodedThenUpstreamSeesAnEvenFlow(t *testing.T) {
 `), up, nil)
 	var wg sync.WaitGroup
 	var ok, limited atomic.Int64
+	start := time.Now()
 	for range 12 {
 		wg.Go(func() {
 			switch get(t, e.proxy+"/").StatusCode {
@@ -264,15 +265,12 @@ func TestProxyWhenLeakyBucketIsFloodedThenUpstreamSeesAnEvenFlow(t *testing.T) {
 	up.mu.Lock()
 	defer up.mu.Unlock()
 	slices.SortFunc(up.arrivals, func(a, b time.Time) int { return a.Compare(b) })
-	// Arrivals are departures plus scheduling jitter, which -race on two busy cores stretches to
-	// tens of milliseconds; a queue that released early would show gaps near zero.
-	const jitter = 25 * time.Millisecond
-	for i := 1; i < len(up.arrivals); i++ {
-		if gap := up.arrivals[i].Sub(up.arrivals[i-1]); gap < 100*time.Millisecond-jitter {
-			t.Errorf("arrivals %d and %d are %v apart, want one drain interval (100ms) give or take %v", i-1, i, gap, jitter)
-		}
-		if ahead := up.arrivals[i].Sub(up.arrivals[0]); ahead < time.Duration(i)*100*time.Millisecond-jitter {
-			t.Errorf("arrival %d came %v after the first, want %d drain intervals give or take %v", i, ahead, i, jitter)
+	// The queue drains one request per 100ms from the first decision on, so the k-th arrival
+	// can come no earlier than k intervals after the flood began. Scheduling may only make it
+	// later; a queue that released early would break this whatever the machine's load.
+	for k, at := range up.arrivals {
+		if early := time.Duration(k)*100*time.Millisecond - at.Sub(start); early > time.Millisecond {
+			t.Errorf("arrival %d came %v after the flood began, %v before its drain slot", k, at.Sub(start), early)
 		}
 	}
 }
@@ -305,16 +303,16 @@ func TestProxyWhenRedisFailsThenEachRuleAppliesItsFailureMode(t *testing.T) {
 			for range 5 { // trip the breaker
 				get(t, e.proxy+"/catalogue")
 			}
-			var latencies []time.Duration
+			// With the breaker open, decisions do not wait for Redis: only its one probe a second
+			// reaches the store, whatever the machine's load makes of the latencies.
+			errorsBefore, opened := metric(t, e.admin, `sluice_store_errors_total{cause="unavailable"}`), time.Now()
 			for i := range 100 {
 				path := "/catalogue"
 				want := http.StatusOK
 				if i%2 == 1 {
 					path, want = "/payments", http.StatusServiceUnavailable
 				}
-				t0 := time.Now()
 				resp := get(t, e.proxy+path)
-				latencies = append(latencies, time.Since(t0))
 				if resp.StatusCode != want {
 					t.Fatalf("%s with Redis %s: %d, want %d", path, how, resp.StatusCode, want)
 				}
@@ -330,9 +328,9 @@ func TestProxyWhenRedisFailsThenEachRuleAppliesItsFailureMode(t *testing.T) {
 			if grown := runtime.NumGoroutine() - goroutines; grown > 20 {
 				t.Errorf("%d more goroutines after 300 requests with Redis %s", grown, how)
 			}
-			slices.Sort(latencies)
-			if p99 := latencies[98]; p99 > deadline+10*time.Millisecond {
-				t.Errorf("p99 latency %v with Redis %s, want under %v", p99, how, deadline+10*time.Millisecond)
+			probes := metric(t, e.admin, `sluice_store_errors_total{cause="unavailable"}`) - errorsBefore
+			if limit := 2 + time.Since(opened).Seconds(); probes > limit {
+				t.Errorf("%v of 400 decisions went to the dead Redis (%s) in %v, want at most one probe a second (%.0f)", probes, how, time.Since(opened), limit)
 			}
 			if how == "killed" {
 				if err := srv.Start(); err != nil { // an empty Redis: scripts must be loaded again
