@@ -139,10 +139,11 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	if h := lease.Spec.HolderIdentity; h == nil || *h == first {
 		t.Errorf("the lease is still held by %v, the killed leader", h)
 	}
-	if limit := leaseDuration + retryPeriod + time.Second; acquired > limit {
+	// The margin is the API server's latency and the scheduling of a loaded machine.
+	if limit := leaseDuration + retryPeriod + 2*time.Second; acquired > limit {
 		t.Errorf("the other manager took the lease %v after the kill, want within the lease duration and a retry period (%v)", acquired, limit)
 	}
-	if limit := leaseDuration + 3*time.Second; took > limit {
+	if limit := leaseDuration + retryPeriod + 4*time.Second; took > limit {
 		t.Errorf("the policy created after the kill was reconciled %v after it, want within the lease duration and the caches' sync (%v)", took, limit)
 	}
 	if n := failed.Load(); n > 0 {
