@@ -4,9 +4,13 @@ import (
 	"errors"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers/render"
 )
 
 // An apply error no retry can fix is Stalled, and the policy is no longer Reconciling; a transient
@@ -34,6 +38,83 @@ func TestComputeStatusWhenApplyFailsThenStalledOnlyWhenFinal(t *testing.T) {
 			}
 			if prog := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionProgrammed); prog == nil || prog.Reason != v1alpha1.ReasonApplyFailed {
 				t.Errorf("Programmed = %+v, want False ApplyFailed", prog)
+			}
+		})
+	}
+}
+
+// Every condition and reason the controller reports, from the observations that lead to it.
+func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
+	ready := func(replicas int32) *appsv1.Deployment {
+		return &appsv1.Deployment{
+			ObjectMeta: metav1.ObjectMeta{Generation: 2, Annotations: map[string]string{render.RevisionAnnotation: "r1"}},
+			Spec:       appsv1.DeploymentSpec{Replicas: ptr.To(replicas)},
+			Status:     appsv1.DeploymentStatus{ObservedGeneration: 2, Replicas: replicas, UpdatedReplicas: replicas, AvailableReplicas: replicas, ReadyReplicas: replicas},
+		}
+	}
+	programmed := func(d *appsv1.Deployment) observation {
+		return observation{programmed: true, revision: "r1", service: "sluice-p", replicas: 2, image: "img", deployment: d}
+	}
+	rolling := ready(2)
+	rolling.Status.UpdatedReplicas = 1
+	oldRevision := ready(2)
+	oldRevision.Annotations[render.RevisionAnnotation] = "r0"
+	unobserved := ready(2)
+	unobserved.Status.ObservedGeneration = 1
+	terminating := ready(2)
+	terminating.Status.Replicas = 3
+	withTarget := programmed(ready(2))
+	withTarget.targetMissing = true
+	withRedis := programmed(ready(2))
+	withRedis.redisUnreachable = "dial tcp 10.0.0.1:6379: i/o timeout"
+
+	type cond struct {
+		status metav1.ConditionStatus
+		reason string
+	}
+	cases := []struct {
+		name string
+		obs  observation
+		want map[string]cond
+	}{
+		{"when every replica runs the current revision then Ready", programmed(ready(2)), map[string]cond{
+			v1alpha1.ConditionAccepted: {"True", v1alpha1.ReasonAccepted}, v1alpha1.ConditionProgrammed: {"True", v1alpha1.ReasonProgrammed},
+			v1alpha1.ConditionReady: {"True", v1alpha1.ReasonAvailable}, v1alpha1.ConditionDegraded: {"False", v1alpha1.ReasonAsExpected},
+			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonAvailable}, v1alpha1.ConditionStalled: {"False", v1alpha1.ReasonAccepted}}},
+		{"when the spec is invalid then not Accepted and Stalled", observation{invalid: "spec.rules: Required value"}, map[string]cond{
+			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonInvalid}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonInvalid},
+			v1alpha1.ConditionProgrammed: {"False", v1alpha1.ReasonNotAccepted}, v1alpha1.ConditionReady: {"False", v1alpha1.ReasonNotProgrammed},
+			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonNotProgrammed}}},
+		{"when an older policy targets the Service then Conflicted and Stalled", observation{conflictsWith: "older"}, map[string]cond{
+			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonConflicted}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonConflicted}}},
+		{"when the Deployment still has the old revision then RollingOut", programmed(oldRevision), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}, v1alpha1.ConditionReconciling: {"True", v1alpha1.ReasonRollingOut}}},
+		{"when replicas are being updated then RollingOut", programmed(rolling), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}}},
+		{"when the Deployment controller has not seen the spec then RollingOut", programmed(unobserved), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}}},
+		{"when old replicas still terminate then RollingOut", programmed(terminating), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}}},
+		{"when the target Service is missing then Degraded TargetNotFound", withTarget, map[string]cond{
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonTargetNotFound}}},
+		{"when Redis does not answer then Degraded RedisUnreachable", withRedis, map[string]cond{
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable}}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Generation: 3}}
+			st := computeStatus(p, c.obs, true)
+			for typ, want := range c.want {
+				got := meta.FindStatusCondition(st.Conditions, typ)
+				if got == nil || got.Status != want.status || got.Reason != want.reason || got.ObservedGeneration != 3 {
+					t.Errorf("%s = %+v, want %s %s at generation 3", typ, got, want.status, want.reason)
+				}
+			}
+			if st.ObservedGeneration != 3 {
+				t.Errorf("observedGeneration = %d, want 3", st.ObservedGeneration)
+			}
+			if c.obs.programmed && (st.Enforcer == nil || st.Enforcer.Image != "img" || st.Enforcer.Replicas != 2 || st.Enforcer.ConfigRevision != "r1") {
+				t.Errorf("status.enforcer = %+v, want the image, replicas and revision observed", st.Enforcer)
 			}
 		})
 	}
