@@ -95,6 +95,20 @@ func TestReconcileWhenAnOwnedObjectIsEditedOrDeletedThenItIsPutBack(t *testing.T
 			return err == nil && c.Data["policy.yaml"] == policyFile, "ConfigMap not created again"
 		}},
 	}
+	t.Cleanup(func() {
+		// A change of the spec changes the objects too, and that is no drift.
+		before := driftEvents(t, ns)
+		updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].TokenBucket.Capacity = 20 })
+		eventually(t, "the changed policy rendered", func() (bool, string) {
+			c := &corev1.ConfigMap{}
+			err := k8s.Get(ctx, key, c)
+			return err == nil && strings.Contains(c.Data["policy.yaml"], "capacity: 20"), "not rendered"
+		})
+		waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+		if after := driftEvents(t, ns); after != before {
+			t.Errorf("%d DriftCorrected events after a change of the spec, want none", after-before)
+		}
+	})
 	for _, e := range edits {
 		t.Run(e.name, func(t *testing.T) {
 			before := driftEvents(t, ns)

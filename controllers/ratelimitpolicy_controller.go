@@ -164,8 +164,10 @@ func (r *RateLimitPolicyReconciler) olderPolicyOnTarget(ctx context.Context, p *
 // PodDisruptionBudget at one replica) are deleted.
 func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
 	logger := log.FromContext(ctx)
-	// Owned objects that are missing after the policy was programmed were deleted by hand.
-	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed)
+	// A difference is drift, put back with an event, only when the spec is the one already
+	// programmed: after a change of the spec, new and changed objects are simply the change.
+	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
+		p.Status.ObservedGeneration == p.Generation
 	for _, obj := range objs.All() {
 		u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
 		if err != nil {
@@ -196,7 +198,9 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 			if !differs {
 				continue
 			}
-			drift = field[1:] + " differed from the policy"
+			if programmed {
+				drift = field[1:] + " differed from the policy"
+			}
 		}
 		if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
 			return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
