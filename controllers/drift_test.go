@@ -2,6 +2,7 @@ package controllers_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -218,4 +219,42 @@ func TestReconcileWhenAnObjectItDoesNotOwnIsInTheWayThenStalledAndLeftAlone(t *t
 	if got.Data["mine"] != "yes" || len(got.OwnerReferences) != 0 {
 		t.Errorf("the ConfigMap in the way was changed: %+v", got)
 	}
+}
+
+// A policy deleted and created again under the same name meets the old objects until garbage
+// collection removes them (envtest runs none, so the test removes them): it waits, Reconciling and
+// not Stalled, and is programmed once they are gone.
+func TestReconcileWhenAPolicyIsCreatedAgainThenItWaitsForTheOldObjectsInsteadOfStalling(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "again")
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "again", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	if err := k8s.Delete(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	p = newPolicy(ns, "again", "api")
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	// observedGeneration moves only on success, so wait for the condition alone.
+	eventually(t, "Programmed=False ApplyFailed", func() (bool, string) {
+		c := condition(t, p, v1alpha1.ConditionProgrammed)
+		return c != nil && c.Status == metav1.ConditionFalse && c.Reason == v1alpha1.ReasonApplyFailed, fmt.Sprintf("%+v", c)
+	})
+	if c := condition(t, p, v1alpha1.ConditionStalled); c == nil || c.Status != metav1.ConditionFalse {
+		t.Errorf("Stalled = %+v while the old objects wait for garbage collection, want False", c)
+	}
+	// Garbage collection's part: the old policy's objects go.
+	for _, o := range []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
+		o.SetNamespace(ns)
+		o.SetName("sluice-again")
+		if err := k8s.Delete(ctx, o); err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
 }

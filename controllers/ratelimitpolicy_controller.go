@@ -188,6 +188,11 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 			return err
 		default:
 			if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+				if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
+					// A policy deleted and created again: garbage collection is about to remove
+					// the old one's objects, and their deletion brings us back here.
+					return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
+				}
 				return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
 			}
 			liveU, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
