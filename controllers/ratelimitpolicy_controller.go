@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
@@ -57,6 +58,8 @@ type RateLimitPolicyReconciler struct {
 	ProbeRedis RedisProbe
 	// ProbeInterval is how often a policy's Redis is probed. Default 1 minute.
 	ProbeInterval time.Duration
+	// Clock stamps the conditions' transitions. Default the real clock.
+	Clock clock.PassiveClock
 }
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
@@ -294,7 +297,11 @@ func firstDifference(got, want any, path string) (string, bool) {
 // writeStatus writes the status once, and only when it changed, and records an event for each
 // condition that changed status.
 func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool) error {
-	p.Status = computeStatus(before, obs, reconciled)
+	clk := r.Clock
+	if clk == nil {
+		clk = clock.RealClock{}
+	}
+	p.Status = computeStatus(before, obs, reconciled, clk.Now())
 	if equality.Semantic.DeepEqual(before.Status, p.Status) {
 		return nil
 	}

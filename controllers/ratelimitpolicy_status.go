@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"fmt"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -33,9 +34,9 @@ type observation struct {
 	redisUnreachable string
 }
 
-// computeStatus derives the status from an observation. Conditions keep their transition time
-// while their status does not change.
-func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool) v1alpha1.RateLimitPolicyStatus {
+// computeStatus derives the status from an observation made at now. A condition whose status
+// changes transitions at now; one whose status does not keeps its transition time.
+func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool, now time.Time) v1alpha1.RateLimitPolicyStatus {
 	st := *p.Status.DeepCopy()
 	gen := p.Generation
 	set := func(t string, ok bool, reason, msg string) {
@@ -43,7 +44,8 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		if ok {
 			status = metav1.ConditionTrue
 		}
-		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg, ObservedGeneration: gen})
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg,
+			ObservedGeneration: gen, LastTransitionTime: metav1.NewTime(now)})
 	}
 
 	switch {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"golang.org/x/sync/singleflight"
+	"k8s.io/utils/clock"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 )
@@ -36,9 +37,9 @@ func DialRedis(ctx context.Context, addrs []string) error {
 }
 
 // SharedProbe makes the policies that name the same Redis share its probe: a result is reused
-// for ttl, and concurrent probes of one address list wait for the one in flight. Without it, a
-// thousand policies on one unreachable Redis would each hold a worker for the dial's timeout.
-func SharedProbe(probe RedisProbe, ttl time.Duration) RedisProbe {
+// for ttl by clk, and concurrent probes of one address list wait for the one in flight. Without
+// it, a thousand policies on one unreachable Redis would each hold a worker for the dial's timeout.
+func SharedProbe(probe RedisProbe, ttl time.Duration, clk clock.PassiveClock) RedisProbe {
 	type result struct {
 		err error
 		at  time.Time
@@ -53,11 +54,12 @@ func SharedProbe(probe RedisProbe, ttl time.Duration) RedisProbe {
 		mu.Lock()
 		res, ok := results[key]
 		mu.Unlock()
-		if ok && time.Since(res.at) < ttl {
+		if ok && clk.Since(res.at) < ttl {
 			return res.err
 		}
 		v, _, _ := flight.Do(key, func() (any, error) {
-			res := result{err: probe(ctx, addrs), at: time.Now()}
+			err := probe(ctx, addrs)
+			res := result{err: err, at: clk.Now()}
 			mu.Lock()
 			defer mu.Unlock()
 			for k, old := range results { // forget lists no policy names any more

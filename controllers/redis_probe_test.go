@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	clocktesting "k8s.io/utils/clock/testing"
+
 	"github.com/sluice-dev/sluice/controllers"
 )
 
@@ -16,14 +18,14 @@ import (
 func TestSharedProbeWhenManyPoliciesNameOneRedisThenItIsProbedOnce(t *testing.T) {
 	var calls atomic.Int32
 	down := errors.New("connection refused")
+	clk := clocktesting.NewFakePassiveClock(time.Unix(1_700_000_000, 0))
 	probe := controllers.SharedProbe(func(_ context.Context, addrs []string) error {
 		calls.Add(1)
-		time.Sleep(100 * time.Millisecond) // a slow dial: the others arrive while it runs
 		if addrs[0] == "down:6379" {
 			return down
 		}
 		return nil
-	}, 300*time.Millisecond)
+	}, 300*time.Millisecond, clk)
 
 	var wg sync.WaitGroup
 	errs := make([]error, 50)
@@ -45,7 +47,12 @@ func TestSharedProbeWhenManyPoliciesNameOneRedisThenItIsProbedOnce(t *testing.T)
 	if err := probe(context.Background(), []string{"up:6379"}); err != nil || calls.Load() != 2 {
 		t.Errorf("another Redis: %v after %d probes, want nil after 2", err, calls.Load())
 	}
-	time.Sleep(300 * time.Millisecond)
+	clk.SetTime(clk.Now().Add(299 * time.Millisecond))
+	_ = probe(context.Background(), []string{"down:6379"})
+	if calls.Load() != 2 {
+		t.Errorf("just within the ttl: %d probes, want 2 (still cached)", calls.Load())
+	}
+	clk.SetTime(clk.Now().Add(time.Millisecond))
 	_ = probe(context.Background(), []string{"down:6379"})
 	if calls.Load() != 3 {
 		t.Errorf("after the ttl: %d probes, want 3 (probed again)", calls.Load())

@@ -3,6 +3,7 @@ package controllers
 import (
 	"errors"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -12,6 +13,24 @@ import (
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers/render"
 )
+
+var t0 = time.Unix(1_700_000_000, 0)
+
+// A condition transitions at the time of the observation that changed it, and keeps that time
+// while its status holds.
+func TestComputeStatusWhenAConditionChangesThenItTransitionsAtTheObservationsTime(t *testing.T) {
+	p := &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Generation: 1}}
+	p.Status = computeStatus(p, observation{invalid: "spec.rules: Required value"}, true, t0)
+	later := t0.Add(time.Hour)
+	p.Status = computeStatus(p, observation{invalid: "spec.rules[0].name: Required value"}, true, later)
+	if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionAccepted); !c.LastTransitionTime.Time.Equal(t0) {
+		t.Errorf("Accepted stayed False but moved to %v, want %v", c.LastTransitionTime, t0)
+	}
+	p.Status = computeStatus(p, observation{}, true, later)
+	if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionAccepted); c.Status != metav1.ConditionTrue || !c.LastTransitionTime.Time.Equal(later) {
+		t.Errorf("Accepted = %s at %v, want True at %v", c.Status, c.LastTransitionTime, later)
+	}
+}
 
 // An apply error no retry can fix is Stalled, and the policy is no longer Reconciling; a transient
 // one keeps it Reconciling, so kstatus waits.
@@ -29,7 +48,7 @@ func TestComputeStatusWhenApplyFailsThenStalledOnlyWhenFinal(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			p := &v1alpha1.RateLimitPolicy{}
-			st := computeStatus(p, c.obs, false)
+			st := computeStatus(p, c.obs, false, t0)
 			if got := meta.IsStatusConditionTrue(st.Conditions, v1alpha1.ConditionStalled); got != c.stalled {
 				t.Errorf("Stalled = %v, want %v", got, c.stalled)
 			}
@@ -103,7 +122,7 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			p := &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Generation: 3}}
-			st := computeStatus(p, c.obs, true)
+			st := computeStatus(p, c.obs, true, t0)
 			for typ, want := range c.want {
 				got := meta.FindStatusCondition(st.Conditions, typ)
 				if got == nil || got.Status != want.status || got.Reason != want.reason || got.ObservedGeneration != 3 {

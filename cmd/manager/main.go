@@ -17,6 +17,7 @@ import (
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
@@ -105,7 +106,7 @@ func main() {
 		ProbeInterval: probeInterval,
 	}
 	if probeInterval > 0 {
-		reconciler.ProbeRedis = controllers.SharedProbe(controllers.DialRedis, min(probeInterval/2, 10*time.Second))
+		reconciler.ProbeRedis = controllers.SharedProbe(controllers.DialRedis, min(probeInterval/2, 10*time.Second), clock.RealClock{})
 	}
 	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
 		log.Error(err, "Unable to set up the RateLimitPolicy controller")
