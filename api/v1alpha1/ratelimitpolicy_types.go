@@ -456,8 +456,13 @@ type RedisStorage struct {
 	Timeout *Duration `json:"timeout,omitempty"`
 }
 
-// DefaultRedisTimeout is the timeout of storage.redis when it sets none.
+// DefaultRedisTimeout is the timeout of storage.redis when it sets none. The schema's defaults
+// are marker literals; a test (enforcer/schema) holds them to these constants.
 const DefaultRedisTimeout Duration = "50ms"
+
+// DefaultPasswordKey is the key of the password in credentialsSecretRef's Secret when it names
+// none.
+const DefaultPasswordKey = "password"
 
 // DefaultManagedRedisMaxMemory is the maxMemory of storage.managedRedis when it sets none; the
 // schema's default says the same.

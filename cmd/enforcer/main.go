@@ -69,7 +69,7 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.BoolVar(&useTLS, "redis-tls", false, "Connect to Redis with TLS (any mode).")
 	fs.StringVar(&caFile, "redis-ca-file", "", "PEM CA bundle that signs the Redis certificates; default the system roots. Implies --redis-tls.")
 	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
-	fs.DurationVar(&timeout, "redis-timeout", 50*time.Millisecond, "Deadline of each Redis call; past it rules apply their failure mode.")
+	fs.DurationVar(&timeout, "redis-timeout", store.DefaultTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")

@@ -166,7 +166,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			args = append(args, "--redis-ca-file="+redisCADir+"/ca.crt")
 		}
 		if ref := s.Redis.CredentialsSecretRef; ref != nil {
-			env = append(env, secretEnv("REDIS_PASSWORD", ref.Name, ref.PasswordKey, "password"))
+			env = append(env, secretEnv("REDIS_PASSWORD", ref.Name, ref.PasswordKey, v1alpha1.DefaultPasswordKey))
 			if ref.UsernameKey != "" {
 				env = append(env, secretEnv("REDIS_USERNAME", ref.Name, ref.UsernameKey, ""))
 			}

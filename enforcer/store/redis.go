@@ -38,6 +38,10 @@ const (
 	Cluster    RedisMode = "Cluster"
 )
 
+// DefaultTimeout bounds each Redis call when nothing else does: the enforcer's --redis-timeout
+// default, and storage.redis.timeout's (api/v1alpha1.DefaultRedisTimeout, held to it by a test).
+const DefaultTimeout = 50 * time.Millisecond
+
 // RedisOptions configure a Redis store.
 type RedisOptions struct {
 	Mode       RedisMode
@@ -47,7 +51,7 @@ type RedisOptions struct {
 	Username   string
 	Password   string
 	TLS        *tls.Config
-	// Timeout bounds each call. Default 50ms.
+	// Timeout bounds each call. Default DefaultTimeout.
 	Timeout time.Duration
 	// PoolSize is the number of connections per node. Default go-redis's (10 per CPU).
 	PoolSize int
@@ -84,7 +88,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		return nil, errors.New("redis: no addresses")
 	}
 	if opts.Timeout <= 0 {
-		opts.Timeout = 50 * time.Millisecond
+		opts.Timeout = DefaultTimeout
 	}
 	uo := &redis.UniversalOptions{
 		Addrs:                 opts.Addrs,
