@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/test/redistest"
 )
@@ -29,11 +28,7 @@ spec:
 	s := redisStore(t, standaloneOptions(redistest.NewServer(t).Addr()))
 	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, RefusalCache: true})
 	set := func(limit string) {
-		ps, err := enforcer.Load([]byte(policy(limit)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		l.SetPolicies(ps)
+		l.SetPolicies(policies(t, policy(limit)))
 	}
 	req := &limiter.Request{Method: "GET", Path: "/", Peer: netip.MustParseAddr("192.0.2.7")}
 	ctx := context.Background()

@@ -12,7 +12,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/store"
 	"github.com/sluice-dev/sluice/test/redistest"
@@ -25,7 +24,7 @@ import (
 func TestLimiterWhenADecisionFaultsThenOnlyItsRuleAppliesItsFailureMode(t *testing.T) {
 	srv := redistest.NewServer(t)
 	rdb := srv.Client(t)
-	ps, err := enforcer.Load([]byte(`apiVersion: ratelimit.sluice.dev/v1alpha1
+	ps := policies(t, `apiVersion: ratelimit.sluice.dev/v1alpha1
 kind: RateLimitPolicy
 metadata: {name: faults, namespace: test}
 spec:
@@ -39,10 +38,7 @@ spec:
       match: {path: {value: /fine}}
       key: [{type: RemoteAddress}]
       fixedWindow: {limit: 3, window: 1h}
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
+`)
 	reg := prometheus.NewRegistry()
 	var logged atomic.Int64
 	log := funcr.New(func(_, args string) {

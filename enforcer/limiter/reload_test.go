@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/policy"
 	"github.com/sluice-dev/sluice/enforcer/store"
@@ -32,7 +31,7 @@ var algorithms = map[string]func(n int) string{
 
 func compiled(t *testing.T, name, algorithm string) *policy.Policy {
 	t.Helper()
-	ps, err := enforcer.Load([]byte(fmt.Sprintf(`apiVersion: ratelimit.sluice.dev/v1alpha1
+	return policies(t, fmt.Sprintf(`apiVersion: ratelimit.sluice.dev/v1alpha1
 kind: RateLimitPolicy
 metadata: {name: %s, namespace: reload}
 spec:
@@ -41,11 +40,7 @@ spec:
   rules:
     - name: r
       %s
-`, name, algorithm)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ps[0]
+`, name, algorithm))[0]
 }
 
 // A rule hot-reloaded under the same name with another algorithm never reads the old

@@ -10,7 +10,6 @@ import (
 
 	"github.com/go-logr/logr"
 
-	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/policy"
 )
@@ -32,11 +31,7 @@ func TestLimiterWhenARequestMatchesMoreRulesThanOnePolicyHoldsThenAllAreDecidedT
 		t.Run(storeName, func(t *testing.T) {
 			l := limiter.New(limiter.Options{Store: newStore(t), BreakerFailures: 3, BreakerOpen: time.Second, RefusalCache: true, Log: logr.Discard()})
 			load := func(skip int) []*policy.Policy {
-				ps, err := enforcer.Load([]byte(doc("a", 0, skip) + doc("b", 20, skip)))
-				if err != nil {
-					t.Fatal(err)
-				}
-				return ps
+				return policies(t, doc("a", 0, skip)+doc("b", 20, skip))
 			}
 			req := &limiter.Request{Method: "GET", Path: "/", Peer: netip.MustParseAddr("192.0.2.9")}
 			count := func(n int) (allowed int) {
