@@ -6,7 +6,7 @@
 set -euo pipefail
 
 K8S_VERSION=1.37.2
-BINARIES=(kube-apiserver etcd kubectl)
+BINARIES=(kube-apiserver etcd kubectl kube-controller-manager)
 here=$(cd "$(dirname "$0")" && pwd)
 
 complete() {

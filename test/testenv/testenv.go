@@ -24,21 +24,32 @@ type Env struct {
 	Config *rest.Config
 	Client client.Client
 	// Webhook says where the webhook server must listen, with WithWebhooks.
-	Webhook envtest.WebhookInstallOptions
-	env     *envtest.Environment
+	Webhook     envtest.WebhookInstallOptions
+	env         *envtest.Environment
+	controllers *exec.Cmd
+	dir         string
 }
 
 // Option changes what Start starts.
-type Option func(*envtest.Environment)
+type Option func(*options)
+
+type options struct {
+	webhooks, controllers bool
+}
+
+// WithControllers runs the real kube-controller-manager beside the API server, with the
+// controllers Sluice's objects meet in a cluster: Deployment, ReplicaSet, garbage collector and
+// PodDisruptionBudget (disruption). Pods are created but nothing runs them; test/local's Kubelet
+// does.
+func WithControllers() Option { return func(o *options) { o.controllers = true } }
+
+// controllers are the kube-controller-manager controllers WithControllers runs.
+var controllers = []string{"deployment-controller", "replicaset-controller", "garbage-collector-controller", "disruption-controller"}
 
 // WithWebhooks installs the webhook configurations of config/webhook, rewritten to call
 // https://127.0.0.1:<port> with a CA that envtest makes; Env.Webhook has the port and the
 // certificate directory to serve from.
-func WithWebhooks() Option {
-	return func(e *envtest.Environment) {
-		e.WebhookInstallOptions.Paths = []string{filepath.Join(RepoRoot(), "config", "webhook", "manifests.yaml")}
-	}
-}
+func WithWebhooks() Option { return func(o *options) { o.webhooks = true } }
 
 // RepoRoot is the root of the Sluice checkout.
 func RepoRoot() string {
@@ -65,22 +76,68 @@ func Start(opts ...Option) (*Env, error) {
 	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
 	// has an enforcer Service.
 	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
-	for _, o := range opts {
-		o(env)
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.webhooks {
+		env.WebhookInstallOptions.Paths = []string{filepath.Join(RepoRoot(), "config", "webhook", "manifests.yaml")}
 	}
 	cfg, err := env.Start()
 	if err != nil {
 		return nil, fmt.Errorf("start the test control plane from %s: %w", assets, err)
 	}
+	e := &Env{Config: cfg, Webhook: env.WebhookInstallOptions, env: env}
+	if o.controllers {
+		if err := e.startControllers(); err != nil {
+			_ = env.Stop()
+			return nil, err
+		}
+	}
 	if err := v1alpha1.AddToScheme(scheme.Scheme); err != nil {
 		return nil, fmt.Errorf("register the API: %w", err)
 	}
-	c, err := client.New(cfg, client.Options{Scheme: scheme.Scheme})
+	e.Client, err = client.New(cfg, client.Options{Scheme: scheme.Scheme})
 	if err != nil {
-		_ = env.Stop()
+		_ = e.Stop()
 		return nil, fmt.Errorf("create a client: %w", err)
 	}
-	return &Env{Config: cfg, Client: c, Webhook: env.WebhookInstallOptions, env: env}, nil
+	return e, nil
+}
+
+// startControllers starts kube-controller-manager as a cluster administrator. Its output goes to
+// kube-controller-manager.log in a temporary directory, named if it fails to start.
+func (e *Env) startControllers() error {
+	dir, err := os.MkdirTemp("", "sluice-kcm-")
+	if err != nil {
+		return err
+	}
+	e.dir = dir
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := e.WriteKubeconfig(kubeconfig); err != nil {
+		return err
+	}
+	logFile, err := os.Create(filepath.Join(dir, "kube-controller-manager.log"))
+	if err != nil {
+		return err
+	}
+	defer func() { _ = logFile.Close() }()
+	cmd := exec.Command(filepath.Join(e.env.BinaryAssetsDirectory, "kube-controller-manager"),
+		"--kubeconfig="+kubeconfig,
+		"--controllers="+strings.Join(controllers, ","),
+		"--leader-elect=false",
+		"--secure-port=0",
+		"--use-service-account-credentials=false",
+		// Collect the objects of a deleted policy at once rather than after discovery's resync.
+		"--concurrent-gc-syncs=5",
+		"-v=1",
+	)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start kube-controller-manager from %s (run hack/envtest.sh): %w", e.env.BinaryAssetsDirectory, err)
+	}
+	e.controllers = cmd
+	return nil
 }
 
 // Kubectl is the path of the kubectl that hack/envtest.sh built beside the control plane.
@@ -89,7 +146,16 @@ func (e *Env) Kubectl() string {
 }
 
 // Stop stops the control plane.
-func (e *Env) Stop() error { return e.env.Stop() }
+func (e *Env) Stop() error {
+	if e.controllers != nil {
+		_ = e.controllers.Process.Signal(os.Interrupt)
+		_ = e.controllers.Wait()
+	}
+	if e.dir != "" {
+		_ = os.RemoveAll(e.dir)
+	}
+	return e.env.Stop()
+}
 
 // GVK is the group, version and kind of RateLimitPolicy.
 var GVK = schema.GroupVersionKind{Group: v1alpha1.GroupVersion.Group, Version: v1alpha1.GroupVersion.Version, Kind: "RateLimitPolicy"}
