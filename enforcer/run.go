@@ -1,7 +1,6 @@
 package enforcer
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/report"
 	"github.com/sluice-dev/sluice/enforcer/store"
 )
 
@@ -29,6 +29,11 @@ type Config struct {
 	// takes effect within ReloadInterval; an invalid one is logged and the last good one stays.
 	PolicyFile     string
 	ReloadInterval time.Duration
+	// ConfigMap, when set, is watched through the API server, and its policy file is applied
+	// as it changes; PolicyFile then serves at start and while the watch fails.
+	ConfigMap *ConfigMapSource
+	// StorePingInterval is how often the store is pinged for the report. Default 2s.
+	StorePingInterval time.Duration
 	// Upstream receives the requests that pass. Nil serves no proxy (check API only).
 	Upstream *url.URL
 	// Listen, CheckListen and AdminListen are the proxy, check API and admin addresses; empty
@@ -69,6 +74,13 @@ type Enforcer struct {
 	reloads       *prometheus.CounterVec
 	// stopping is set when the stop begins: /readyz fails from then on.
 	stopping atomic.Bool
+	// started is when Start began; served is the config in force, health the store's as the
+	// last ping found it; watching is true while the ConfigMap watch delivers.
+	started  time.Time
+	served   atomic.Pointer[served]
+	health   atomic.Pointer[report.Store]
+	watching atomic.Bool
+	applyMu  sync.Mutex
 	// done closes when the enforcer has stopped; err is why, if anything failed.
 	done chan struct{}
 	err  error
@@ -94,7 +106,14 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if cfg.ShutdownTimeout <= 0 {
 		cfg.ShutdownTimeout = 30 * time.Second
 	}
-	policies, err := LoadFile(cfg.PolicyFile)
+	if cfg.StorePingInterval <= 0 {
+		cfg.StorePingInterval = 2 * time.Second
+	}
+	data, err := os.ReadFile(cfg.PolicyFile)
+	if err != nil {
+		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
+	}
+	policies, err := Load(data)
 	if err != nil {
 		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
 	}
@@ -113,7 +132,11 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, Now: cfg.Now})
 	}
 	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{})}
+	e.started = e.now()
 	e.limiter.SetPolicies(policies)
+	e.served.Store(&served{Revision: report.Revision(data), Since: e.started, Source: report.SourceFile})
+	// The report tells the store's health from the start: a first ping, at most a second long.
+	e.checkedStore(e.ping(ctx))
 	e.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sluice_config_reloads_total", Help: "Policy file reloads by result (applied, refused).",
 	}, []string{"result"})
@@ -131,6 +154,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	admin.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	admin.HandleFunc("/healthz", live)
 	admin.HandleFunc("/readyz", ready)
+	admin.HandleFunc(report.Path, e.serveReport)
 	if cfg.Pprof {
 		admin.HandleFunc("/debug/pprof/", pprof.Index)
 		admin.HandleFunc("/debug/pprof/profile", pprof.Profile)
@@ -178,7 +202,15 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		}
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	e.wg.Go(func() { e.watch(ctx) })
+	e.wg.Go(func() { e.watchFile(ctx) })
+	e.wg.Go(func() { e.pingStore(ctx) })
+	if cfg.ConfigMap != nil {
+		if err := e.watchConfigMap(ctx); err != nil {
+			cancel()
+			e.stop(0)
+			return nil, err
+		}
+	}
 	go func() {
 		delay := cfg.ShutdownDelay
 		select {
@@ -291,33 +323,4 @@ func (e *Enforcer) stop(delay time.Duration) {
 func (e *Enforcer) Wait() error {
 	<-e.done
 	return e.err
-}
-
-// watch polls the policy file and applies valid changes. Polling, rather than inotify, follows
-// the symlink swaps with which the kubelet updates mounted ConfigMaps.
-func (e *Enforcer) watch(ctx context.Context) {
-	last, _ := os.ReadFile(e.cfg.PolicyFile)
-	t := time.NewTicker(e.cfg.ReloadInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		data, err := os.ReadFile(e.cfg.PolicyFile)
-		if err != nil || bytes.Equal(data, last) {
-			continue
-		}
-		last = data
-		policies, err := Load(data)
-		if err != nil {
-			e.reloads.WithLabelValues("refused").Inc()
-			e.cfg.Log.Error(err, "Refused the changed policy file; the last good policies stay", "file", e.cfg.PolicyFile)
-			continue
-		}
-		e.limiter.SetPolicies(policies)
-		e.reloads.WithLabelValues("applied").Inc()
-		e.cfg.Log.Info("Applied the changed policy file", "file", e.cfg.PolicyFile, "policies", len(policies))
-	}
 }

@@ -48,8 +48,8 @@ func redisKey(t *testing.T, client string) string {
 
 // enforcerProcess runs the enforcer binary with failoverPolicy and the given store flags.
 type enforcerProcess struct {
-	proxy  string
-	client *http.Client
+	proxy, admin string
+	client       *http.Client
 }
 
 func startEnforcer(t *testing.T, storeFlags ...string) *enforcerProcess {
@@ -85,7 +85,7 @@ func startEnforcerWith(t *testing.T, policy string, storeFlags ...string) *enfor
 	if err := local.WaitHTTP(p, "http://"+admin+"/readyz", 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	return &enforcerProcess{proxy: "http://" + proxy, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}}
+	return &enforcerProcess{proxy: "http://" + proxy, admin: admin, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}}
 }
 
 // send sends n requests for client, conc at a time, and counts the answers by status.

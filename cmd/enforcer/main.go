@@ -5,9 +5,11 @@
 //	enforcer --policy FILE.yaml --upstream http://HOST:PORT [--listen :8080] [--check-listen :8081]
 //	         [--admin-listen :9090] [--redis-url redis://HOST:PORT/DB | --redis-cluster H:P,H:P,...
 //	         | --redis-sentinel H:P,... --redis-master NAME] [--redis-tls --redis-ca-file FILE]
+//	         [--configmap NAMESPACE/NAME]
 //
 // Without a Redis flag the enforcer keeps counters in memory, exact for one replica. Redis
-// credentials come from REDIS_USERNAME and REDIS_PASSWORD, never from flags.
+// credentials come from files (--redis-username-file, --redis-password-file: a mounted Secret) or
+// from REDIS_USERNAME and REDIS_PASSWORD, never from flags.
 package main
 
 import (
@@ -21,12 +23,14 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/redis/go-redis/v9"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/store"
@@ -40,6 +44,9 @@ func main() {
 		os.Exit(2)
 	}
 	cfg.Log = log
+	// go-redis would print every failed dial of its pool; the enforcer reports the store's
+	// failures itself, once per change, in its log, metrics and report.
+	redis.SetLogger(quiet{})
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := enforcer.Run(ctx, cfg); err != nil {
@@ -56,6 +63,8 @@ func parse(args []string) (enforcer.Config, error) {
 		master, caFile, serverName            string
 		useTLS                                bool
 		timeout                               time.Duration
+		configMap, kubeconfig                 string
+		usernameFile, passwordFile            string
 	)
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
 	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass, such as http://127.0.0.1:3000.")
@@ -69,8 +78,12 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.BoolVar(&useTLS, "redis-tls", false, "Connect to Redis with TLS (any mode).")
 	fs.StringVar(&caFile, "redis-ca-file", "", "PEM CA bundle that signs the Redis certificates; default the system roots. Implies --redis-tls.")
 	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
+	fs.StringVar(&usernameFile, "redis-username-file", "", "File holding the Redis username, read at every new connection; replaces REDIS_USERNAME.")
+	fs.StringVar(&passwordFile, "redis-password-file", "", "File holding the Redis password, read at every new connection, so that a rotated mounted Secret takes effect without a restart; replaces REDIS_PASSWORD.")
 	fs.DurationVar(&timeout, "redis-timeout", store.DefaultTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
+	fs.StringVar(&configMap, "configmap", "", "NAMESPACE/NAME of a ConfigMap to watch through the API server, whose key named as the --policy file holds the policy file; the file then serves at start and while the API server cannot be reached.")
+	fs.StringVar(&kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
 	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
@@ -92,6 +105,21 @@ func parse(args []string) (enforcer.Config, error) {
 	if cfg.PolicyFile == "" {
 		return cfg, errors.New("--policy is required")
 	}
+	if configMap != "" {
+		ns, name, ok := strings.Cut(configMap, "/")
+		if !ok || ns == "" || name == "" {
+			return cfg, fmt.Errorf("--configmap %q: want NAMESPACE/NAME", configMap)
+		}
+		if kubeconfig == "" {
+			kubeconfig = os.Getenv("KUBECONFIG")
+		}
+		kube, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+		if err != nil {
+			return cfg, fmt.Errorf("--configmap: reach the API server: %w", err)
+		}
+		kube.UserAgent = "sluice-enforcer"
+		cfg.ConfigMap = &enforcer.ConfigMapSource{Namespace: ns, Name: name, Key: filepath.Base(cfg.PolicyFile), Kube: kube}
+	}
 	if clockOffset != 0 {
 		cfg.Now = func() time.Time { return time.Now().Add(clockOffset) }
 	}
@@ -112,6 +140,12 @@ func parse(args []string) (enforcer.Config, error) {
 		return cfg, errors.New("--redis-url, --redis-cluster and --redis-sentinel exclude each other")
 	}
 	opts := store.RedisOptions{Timeout: timeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
+	if usernameFile != "" || passwordFile != "" {
+		username, password := opts.Username, opts.Password
+		opts.Credentials = func() (string, string) {
+			return fileOr(usernameFile, username), fileOr(passwordFile, password)
+		}
+	}
 	switch {
 	case redisURL != "":
 		u, err := redis.ParseURL(redisURL)
@@ -141,6 +175,21 @@ func parse(args []string) (enforcer.Config, error) {
 	}
 	cfg.Redis = &opts
 	return cfg, nil
+}
+
+// quiet discards go-redis's own log lines.
+type quiet struct{}
+
+func (quiet) Printf(context.Context, string, ...any) {}
+
+// fileOr is the content of path, without a trailing newline, or fallback when path is empty. A
+// file that cannot be read gives an empty credential, which Redis refuses in its own words.
+func fileOr(path, fallback string) string {
+	if path == "" {
+		return fallback
+	}
+	data, _ := os.ReadFile(path)
+	return strings.TrimRight(string(data), "\r\n")
 }
 
 // testClockOffset is the hidden flag that shifts the enforcer's clock in tests.

@@ -67,6 +67,19 @@ func (c *refusalCache) put(check *store.Check, d algorithm.Decision, now time.Ti
 	sh.m[k] = refusal{until: now.Add(d.RetryAfter), cost: check.Cost, limit: check.Limit, d: d}
 }
 
+// clear forgets every refusal.
+func (c *refusalCache) clear() {
+	if c == nil {
+		return
+	}
+	for i := range c.shards {
+		sh := &c.shards[i]
+		sh.mu.Lock()
+		clear(sh.m)
+		sh.mu.Unlock()
+	}
+}
+
 // get returns the cached refusal of a check, with its retry-after and reset brought to now.
 func (c *refusalCache) get(check *store.Check, now time.Time) (algorithm.Decision, bool) {
 	k := refusalKey{check.Tag, check.Rule}

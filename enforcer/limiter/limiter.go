@@ -15,6 +15,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
 	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/enforcer/report"
 	"github.com/sluice-dev/sluice/enforcer/store"
 )
 
@@ -120,8 +121,24 @@ func New(opts Options) *Limiter {
 }
 
 // SetPolicies replaces the policies. Counters live in the store under the policies' and rules'
-// names, so unchanged rules keep their state.
-func (l *Limiter) SetPolicies(ps []*policy.Policy) { l.policies.Store(&ps) }
+// names, so unchanged rules keep their state. The refusal cache is emptied: a refusal under the
+// old rules says nothing about the new ones.
+func (l *Limiter) SetPolicies(ps []*policy.Policy) {
+	l.policies.Store(&ps)
+	l.refusals.clear()
+}
+
+// Policies are the policies in force.
+func (l *Limiter) Policies() []*policy.Policy { return *l.policies.Load() }
+
+// BreakerOpen reports whether decisions skip the store for now (open) or wait for one probe
+// (half-open).
+func (l *Limiter) BreakerOpen() bool {
+	return l.breaker != nil && l.breaker.State() != gobreaker.StateClosed
+}
+
+// Counters are the decisions of each rule since the limiter was created.
+func (l *Limiter) Counters() map[RuleKey]report.Counters { return l.metrics.Counters() }
 
 type matched struct {
 	rule   *policy.Rule

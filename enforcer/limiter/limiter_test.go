@@ -47,7 +47,8 @@ func (f *fakeStore) Decide(_ context.Context, checks []store.Check, out []algori
 	return charged, nil
 }
 
-func (f *fakeStore) Close() error { return nil }
+func (f *fakeStore) Ping(context.Context) error { return nil }
+func (f *fakeStore) Close() error               { return nil }
 
 func (f *fakeStore) called() int {
 	f.mu.Lock()

@@ -2,6 +2,9 @@ package limiter
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/sluice-dev/sluice/enforcer/report"
 )
 
 // Causes of store errors, the values of the cause label.
@@ -62,4 +65,51 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 
 func (m *Metrics) decision(policy, rule, result string) {
 	m.decisions.WithLabelValues(policy, rule, result).Inc()
+}
+
+// RuleKey names a rule: its policy's ID and its name.
+type RuleKey struct{ Policy, Rule string }
+
+// Counters reads sluice_decisions_total back, per rule, for the enforcer's report: the metric
+// is the one count of decisions, so the report and Prometheus cannot disagree.
+func (m *Metrics) Counters() map[RuleKey]report.Counters {
+	ch := make(chan prometheus.Metric)
+	go func() {
+		m.decisions.Collect(ch)
+		close(ch)
+	}()
+	out := map[RuleKey]report.Counters{}
+	for metric := range ch {
+		var pb dto.Metric
+		if err := metric.Write(&pb); err != nil {
+			continue
+		}
+		var k RuleKey
+		var result string
+		for _, l := range pb.GetLabel() {
+			switch l.GetName() {
+			case "policy":
+				k.Policy = l.GetValue()
+			case "rule":
+				k.Rule = l.GetValue()
+			case "result":
+				result = l.GetValue()
+			}
+		}
+		c, n := out[k], uint64(pb.GetCounter().GetValue())
+		switch result {
+		case resultAllowed:
+			c.Allowed += n
+		case resultLimited:
+			c.Limited += n
+		case resultShadowLimited:
+			c.ShadowLimited += n
+		case resultFailedOpen:
+			c.FailedOpen += n
+		case resultFailedClosed:
+			c.FailedClosed += n
+		}
+		out[k] = c
+	}
+	return out
 }

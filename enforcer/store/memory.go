@@ -269,6 +269,9 @@ func (s *Memory) sweepEvery(d time.Duration) {
 	}
 }
 
+// Ping implements Store: memory always answers.
+func (s *Memory) Ping(context.Context) error { return nil }
+
 // Close stops the background sweep.
 func (s *Memory) Close() error {
 	select {

@@ -50,7 +50,11 @@ type RedisOptions struct {
 	DB         int
 	Username   string
 	Password   string
-	TLS        *tls.Config
+	// Credentials, when set, replaces Username and Password: it is asked at every new
+	// connection, so rotated credentials (a mounted Secret the kubelet updates) take effect
+	// without a restart.
+	Credentials func() (username, password string)
+	TLS         *tls.Config
 	// Timeout bounds each call. Default DefaultTimeout.
 	Timeout time.Duration
 	// PoolSize is the number of connections per node. Default go-redis's (10 per CPU).
@@ -95,6 +99,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		DB:                    opts.DB,
 		Username:              opts.Username,
 		Password:              opts.Password,
+		CredentialsProvider:   opts.Credentials,
 		TLSConfig:             opts.TLS,
 		DialTimeout:           opts.Timeout,
 		ReadTimeout:           opts.Timeout,
@@ -142,8 +147,15 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 	return s, nil
 }
 
-// Client is the underlying client, for health checks.
+// Client is the underlying client.
 func (s *Redis) Client() redis.UniversalClient { return s.client }
+
+// Ping asks Redis for PONG, within ctx's deadline. Its error is Redis's own when Redis answered:
+// a wrong password gives the server's WRONGPASS message.
+func (s *Redis) Ping(ctx context.Context) error { return s.client.Ping(ctx).Err() }
+
+// Timeout is the deadline of each call.
+func (s *Redis) Timeout() time.Duration { return s.timeout }
 
 // Close stops sending decisions and closes the connections.
 func (s *Redis) Close() error {

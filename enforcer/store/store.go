@@ -40,6 +40,8 @@ type Store interface {
 	// least len(checks)). It reports whether the request was charged, which is whether every
 	// enforced check allowed it.
 	Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (charged bool, err error)
+	// Ping checks that the store answers within ctx's deadline.
+	Ping(ctx context.Context) error
 	// Close releases the store's resources.
 	Close() error
 }

@@ -1,0 +1,305 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/enforcer/report"
+	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/test/testenv"
+)
+
+func limitPolicy(limit int) string {
+	return fmt.Sprintf(`apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: watched, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  rules:
+    - name: per-client
+      key: [{type: Header, name: X-Client}]
+      fixedWindow: {limit: %d, window: 1h}
+`, limit)
+}
+
+// The enforcer binary follows its ConfigMap through the API server, falls back to the mounted
+// file while the API server cannot be reached, and hands back to the ConfigMap once it can be.
+// The file is never rewritten behind the watch's back here: what the enforcer serves comes from
+// the watch unless the test cut it.
+func TestEnforcerBinaryWhenItsConfigMapChangesThenItServesItAndFallsBackToTheFileWithoutTheAPI(t *testing.T) {
+	ctx := context.Background()
+	env, err := testenv.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	k8s := env.Client
+	ns := testenv.Namespace(t, k8s, "watch")
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-watched"}, Data: map[string]string{"policy.yaml": limitPolicy(1)}}
+	if err := k8s.Create(ctx, cm); err != nil {
+		t.Fatal(err)
+	}
+	setLimit := func(limit int) {
+		t.Helper()
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			if err := k8s.Get(ctx, client.ObjectKeyFromObject(cm), cm); err != nil {
+				return err
+			}
+			cm.Data["policy.yaml"] = limitPolicy(limit)
+			return k8s.Update(ctx, cm)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// The enforcer reaches the API server through a forwarder the test can cut.
+	host, err := url.Parse(env.Config.Host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fwd := newCuttable(t, host.Host)
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	writeKubeconfig(t, env, kubeconfig, "https://"+fwd.addr)
+
+	dir := t.TempDir()
+	file := filepath.Join(dir, "policy.yaml")
+	if err := os.WriteFile(file, []byte(limitPolicy(1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
+	t.Cleanup(up.Close)
+	proxy, _ := local.FreeAddr()
+	admin, _ := local.FreeAddr()
+	log := &local.Output{}
+	p, err := local.Start("enforcer", log, binary(t), "--policy="+file, "--upstream="+up.URL, "--listen="+proxy, "--check-listen=",
+		"--admin-listen="+admin, "--shutdown-delay=0s", "--reload-interval=100ms", "--configmap="+ns+"/sluice-watched", "--kubeconfig="+kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Stop()
+		if t.Failed() {
+			t.Logf("enforcer log:\n%s", log.String())
+		}
+	})
+	if err := local.WaitHTTP(p, "http://"+admin+"/readyz", 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// serving waits until the report says the enforcer serves the policy with this limit, from
+	// source, and then checks that the proxy decides under it: limit passes of limit+1.
+	client := 0
+	serving := func(limit int, source string, within time.Duration) time.Duration {
+		t.Helper()
+		start := time.Now()
+		want := report.Revision([]byte(limitPolicy(limit)))
+		var r report.Report
+		for {
+			r = readReport(t, admin)
+			if r.Revision == want && r.ConfigSource == source {
+				break
+			}
+			if time.Since(start) > within {
+				t.Fatalf("after %v the enforcer serves revision %s from %s, want %s (limit %d) from %s", within, r.Revision, r.ConfigSource, want, limit, source)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		took := time.Since(start)
+		client++
+		passed := 0
+		for range limit + 1 {
+			req, _ := http.NewRequest(http.MethodGet, "http://"+proxy+"/", nil)
+			req.Header.Set("X-Client", fmt.Sprint("c", client))
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				passed++
+			}
+		}
+		if passed != limit {
+			t.Errorf("%d of %d passed, want the limit %d", passed, limit+1, limit)
+		}
+		return took
+	}
+
+	serving(1, report.SourceAPI, 10*time.Second)
+	setLimit(3)
+	t.Logf("a ConfigMap change was served %v after the update", serving(3, report.SourceAPI, 2*time.Second).Round(time.Millisecond))
+
+	// The API server cannot be reached: a change of the mounted file is applied.
+	fwd.cut()
+	if err := os.WriteFile(file, []byte(limitPolicy(5)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	serving(5, report.SourceFile, 30*time.Second)
+
+	// Back: the ConfigMap, changed meanwhile, wins again.
+	setLimit(7)
+	fwd.restore()
+	serving(7, report.SourceAPI, 30*time.Second)
+
+	// While the watch delivers, a stale file changing does not take over.
+	if err := os.WriteFile(file, []byte(limitPolicy(2)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond) // five file polls
+	serving(7, report.SourceAPI, time.Second)
+}
+
+// Redis credentials from files are read at every new connection: a wrong password shows in the
+// report in Redis's words, and the corrected file takes effect without a restart.
+func TestEnforcerBinaryWhenThePasswordFileIsFixedThenTheStoreConnectsWithoutARestart(t *testing.T) {
+	srv := redistest.NewServer(t)
+	if err := srv.Client(t).ConfigSet(context.Background(), "requirepass", "right").Err(); err != nil {
+		t.Fatal(err)
+	}
+	password := filepath.Join(t.TempDir(), "password")
+	if err := os.WriteFile(password, []byte("wrong\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := startEnforcerWith(t, limitPolicy(3), "--redis-url=redis://"+srv.Addr()+"/0", "--redis-password-file="+password)
+	wait := func(connected bool, cause, message string) {
+		t.Helper()
+		var r report.Report
+		if !eventually(15*time.Second, func() bool {
+			r = readReport(t, e.admin)
+			return r.Store.Connected == connected && r.Store.Cause == cause && strings.Contains(r.Store.Message, message)
+		}) {
+			t.Fatalf("store %+v, want connected %v, cause %q, message with %q", r.Store, connected, cause, message)
+		}
+	}
+	wait(false, report.CauseAuthentication, "WRONGPASS")
+	if got := e.send("alice", 5, 1); got[http.StatusOK] != 5 {
+		t.Errorf("fail-open rule with a refused password: %v, want every request through", got)
+	}
+	if err := os.WriteFile(password, []byte("right\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	wait(true, "", "")
+	if got := e.send("bob", 5, 1); got[http.StatusOK] != 3 || got[http.StatusTooManyRequests] != 2 {
+		t.Errorf("after the fix: %v, want 3 passed and 2 refused", got)
+	}
+	r := readReport(t, e.admin)
+	want := report.Counters{Allowed: 3, Limited: 2, FailedOpen: 5}
+	if len(r.Rules) != 1 || r.Rules[0].Policy != "test/watched" || r.Rules[0].Counters != want {
+		t.Errorf("report rules %+v, want per-client with %+v", r.Rules, want)
+	}
+}
+
+func readReport(t *testing.T, admin string) report.Report {
+	t.Helper()
+	resp, err := http.Get("http://" + admin + report.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	var r report.Report
+	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Version != report.Version {
+		t.Fatalf("report version %q", r.Version)
+	}
+	return r
+}
+
+// writeKubeconfig writes a cluster administrator's kubeconfig for env, with server as its address.
+func writeKubeconfig(t *testing.T, env *testenv.Env, path, server string) {
+	t.Helper()
+	if err := env.WriteKubeconfig(path); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := clientcmd.LoadFromFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cfg.Clusters {
+		c.Server = server
+		c.TLSServerName = "localhost" // the serving certificate's name, not the forwarder's
+	}
+	if err := clientcmd.WriteToFile(clientcmdapi.Config(*cfg), path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// cuttable forwards TCP connections to a backend until cut: then it closes every connection and
+// refuses new ones, until restored.
+type cuttable struct {
+	addr, backend string
+	mu            sync.Mutex
+	down          bool
+	conns         []net.Conn
+}
+
+func newCuttable(t *testing.T, backend string) *cuttable {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	c := &cuttable{addr: ln.Addr().String(), backend: backend}
+	go func() {
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.mu.Lock()
+			down := c.down
+			c.mu.Unlock()
+			if down {
+				_ = in.Close()
+				continue
+			}
+			out, err := net.Dial("tcp", backend)
+			if err != nil {
+				_ = in.Close()
+				continue
+			}
+			c.mu.Lock()
+			c.conns = append(c.conns, in, out)
+			c.mu.Unlock()
+			go func() { _, _ = io.Copy(out, in); _ = out.Close() }()
+			go func() { _, _ = io.Copy(in, out); _ = in.Close() }()
+		}
+	}()
+	return c
+}
+
+func (c *cuttable) cut() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.down = true
+	for _, conn := range c.conns {
+		_ = conn.Close()
+	}
+	c.conns = nil
+}
+
+func (c *cuttable) restore() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.down = false
+}

@@ -1,0 +1,113 @@
+// Package report is what an enforcer replica says about itself on its admin port, at Path: the
+// config revision it serves, its store's health as it sees it, and its per-rule counters. The
+// enforcer serves it and the manager reads it into the policy's status; both use these types.
+package report
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"time"
+)
+
+// Path is where the admin server serves the report.
+const Path = "/report"
+
+// Version is the report format. A reader refuses a report of another version rather than
+// misreading it.
+const Version = "sluice.dev/report/v1"
+
+// Report is one replica's account of itself.
+type Report struct {
+	Version string `json:"version"`
+	// Started is when the process started; the counters count from then.
+	Started time.Time `json:"started"`
+	// Revision is the config revision the replica decides requests with (see Revision), and
+	// RevisionSince when it began to.
+	Revision      string    `json:"revision"`
+	RevisionSince time.Time `json:"revisionSince"`
+	// ConfigSource is where the replica took its config from last: SourceAPI or SourceFile.
+	ConfigSource string `json:"configSource"`
+	Store        Store  `json:"store"`
+	// Rules are the rules of the served config, in order, with their counters.
+	Rules []Rule `json:"rules"`
+}
+
+// Config sources.
+const (
+	// SourceFile is the policy file: at start, in standalone mode, and while the API server
+	// cannot be reached.
+	SourceFile = "file"
+	// SourceAPI is the enforcer's ConfigMap, watched through the API server.
+	SourceAPI = "api"
+)
+
+// Store is the store's health as the replica sees it.
+type Store struct {
+	// Kind is memory, redis-standalone, redis-sentinel or redis-cluster.
+	Kind string `json:"kind"`
+	// Connected is false when the last ping failed; Cause and Message then say why.
+	Connected bool `json:"connected"`
+	// BreakerOpen is true while decisions skip the store and rules apply their failure modes.
+	BreakerOpen bool `json:"breakerOpen,omitempty"`
+	// Cause is one of the Cause constants when not connected.
+	Cause string `json:"cause,omitempty"`
+	// Message is the error as the store reported it, the server's own words when it answered.
+	Message string `json:"message,omitempty"`
+	// Since is when Connected last changed.
+	Since time.Time `json:"since"`
+}
+
+// Causes of a store that is not connected.
+const (
+	// CauseAuthentication: the server refused the credentials (WRONGPASS, NOAUTH, NOPERM).
+	CauseAuthentication = "authentication"
+	// CauseTLS: the TLS handshake failed, such as a certificate that does not verify.
+	CauseTLS = "tls"
+	// CauseTimeout: the server did not answer within the timeout.
+	CauseTimeout = "timeout"
+	// CauseUnreachable: anything else, such as a refused connection or an unknown host.
+	CauseUnreachable = "unreachable"
+)
+
+// Rule is one rule's decisions since the process started.
+type Rule struct {
+	// Policy is the rule's policy, "<namespace>/<name>".
+	Policy string `json:"policy"`
+	Name   string `json:"name"`
+	Counters
+}
+
+// Counters count the decisions of one rule, as sluice_decisions_total does by result.
+type Counters struct {
+	Allowed       uint64 `json:"allowed"`
+	Limited       uint64 `json:"limited"`
+	ShadowLimited uint64 `json:"shadowLimited"`
+	FailedOpen    uint64 `json:"failedOpen"`
+	FailedClosed  uint64 `json:"failedClosed"`
+}
+
+// Add returns c+o.
+func (c Counters) Add(o Counters) Counters {
+	return Counters{c.Allowed + o.Allowed, c.Limited + o.Limited, c.ShadowLimited + o.ShadowLimited,
+		c.FailedOpen + o.FailedOpen, c.FailedClosed + o.FailedClosed}
+}
+
+// Sub returns c-o, each counter at least 0.
+func (c Counters) Sub(o Counters) Counters {
+	sub := func(a, b uint64) uint64 {
+		if a < b {
+			return 0
+		}
+		return a - b
+	}
+	return Counters{sub(c.Allowed, o.Allowed), sub(c.Limited, o.Limited), sub(c.ShadowLimited, o.ShadowLimited),
+		sub(c.FailedOpen, o.FailedOpen), sub(c.FailedClosed, o.FailedClosed)}
+}
+
+// Revision identifies a policy file by its content: the controller names the config it renders
+// with it, and the enforcer the config it loaded, so the two agree without either taking the
+// other's word.
+func Revision(policyFile []byte) string {
+	sum := sha256.Sum256(policyFile)
+	return hex.EncodeToString(sum[:8])
+}
