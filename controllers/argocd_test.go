@@ -5,7 +5,6 @@ import (
 	"testing"
 
 	lua "github.com/yuin/gopher-lua"
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -27,6 +26,8 @@ func TestArgoCDHealthWhenThePolicyIsInEachStateThenItMapsToArgosHealth(t *testin
 
 	ready := newPolicy(ns, "ready", "api")
 	rolling := newPolicy(ns, "rolling", "api-rolling")
+	// Its pods cannot start, as on a cluster, until the Secret it names exists.
+	rolling.Spec.Storage.Redis.CredentialsSecretRef.Name = "not-yet-created"
 	degraded := newPolicy(ns, "degraded", "missing-service")
 	stalled := newPolicy(ns, "stalled", "api-stalled")
 	if err := k8s.Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-stalled"}}); err != nil {
@@ -38,7 +39,7 @@ func TestArgoCDHealthWhenThePolicyIsInEachStateThenItMapsToArgosHealth(t *testin
 		}
 	}
 	waitCondition(t, ready, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
-	playDeploymentController(t, &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-ready"}})
+	runEnforcers(t, ns)
 	waitCondition(t, ready, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
 	waitCondition(t, rolling, v1alpha1.ConditionReconciling, metav1.ConditionTrue, "")
 	waitCondition(t, degraded, v1alpha1.ConditionDegraded, metav1.ConditionTrue, v1alpha1.ReasonTargetNotFound)

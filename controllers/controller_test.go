@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -15,7 +16,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -27,6 +30,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 	"sigs.k8s.io/controller-runtime/pkg/config"
@@ -36,22 +40,53 @@ import (
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/test/local"
 	"github.com/sluice-dev/sluice/test/redistest"
 	"github.com/sluice-dev/sluice/test/testenv"
 )
 
 var (
 	k8s        client.Client // a direct client: reads go to the API server
+	env        *testenv.Env
 	reconciler *controllers.RateLimitPolicyReconciler
 	mgrClient  client.Client
+	// redisAddr is the Redis every policy of these tests names.
+	redisAddr string
+	// enforcerBin is the enforcer binary the kubelet stand-in runs (see runEnforcers).
+	enforcerBin string
 )
 
 func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+// run starts the control plane with the real kube-controller-manager, a Redis, and the manager,
+// runs the tests, and stops them all.
+func run(m *testing.M) int {
 	ctrl.SetLogger(logr.Discard())
-	env, err := testenv.Start()
-	if err != nil {
+	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+		return 1
+	}
+	var err error
+	env, err = testenv.Start(testenv.WithControllers())
+	if err != nil {
+		return fail(err)
+	}
+	defer func() { _ = env.Stop() }()
+	redis, err := redistest.StartServer()
+	if err != nil {
+		return fail(err)
+	}
+	defer redis.Stop()
+	redisAddr = redis.Addr()
+	bin, err := os.MkdirTemp("", "sluice-controllers-")
+	if err != nil {
+		return fail(err)
+	}
+	defer func() { _ = os.RemoveAll(bin) }()
+	if enforcerBin, err = local.BuildCmd(context.Background(), bin, "enforcer"); err != nil {
+		return fail(err)
 	}
 	scheme := runtime.NewScheme()
 	_ = clientgoscheme.AddToScheme(scheme)
@@ -64,43 +99,52 @@ func TestMain(m *testing.M) {
 	managerConfig.QPS, managerConfig.Burst = 50, 100
 	mgr, err := ctrl.NewManager(managerConfig, ctrl.Options{
 		Scheme:                 scheme,
+		Cache:                  cache.Options{ByObject: controllers.CacheByObject()},
 		Metrics:                metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0",
 		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
 	})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+		return fail(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	mgrClient = mgr.GetClient()
 	reconciler = &controllers.RateLimitPolicyReconciler{
 		Client: mgrClient, Scheme: scheme, Recorder: mgr.GetEventRecorder("sluice"),
-		Defaults: render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
-		Workers:  4,
-		// The policies of these tests name redis.example, which no test can reach; only the
-		// Redis servers the tests start are probed for real.
-		ProbeRedis: func(ctx context.Context, addrs []string) error {
-			if strings.HasPrefix(addrs[0], "redis.example:") {
-				return nil
-			}
-			return controllers.DialRedis(ctx, addrs)
-		},
-		ProbeInterval: 300 * time.Millisecond,
+		Defaults:       render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
+		Workers:        4,
+		ProbeRedis:     controllers.DialRedis,
+		ProbeInterval:  300 * time.Millisecond,
+		ReportInterval: time.Second,
 	}
 	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+		return fail(err)
 	}
 	go func() {
 		if err := mgr.Start(ctx); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 		}
 	}()
-	code := m.Run()
-	cancel()
-	_ = env.Stop()
-	os.Exit(code)
+	return m.Run()
+}
+
+// runEnforcers runs the enforcer pods of a namespace until the test ends, as a kubelet would,
+// and creates the Secret that newPolicy's credentials name.
+func runEnforcers(t *testing.T, ns string) *local.Kubelet {
+	t.Helper()
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "redis-creds"}, StringData: map[string]string{"password": ""}}
+	if err := k8s.Create(context.Background(), secret); err != nil {
+		t.Fatal(err)
+	}
+	k, err := local.StartKubelet(context.Background(), k8s, env.Config, enforcerBin, local.KubeletOptions{
+		Namespace: ns, Upstream: "http://127.0.0.1:1", Dir: t.TempDir(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(k.Stop)
+	return k
 }
 
 func targetService(t *testing.T, ns, name string) {
@@ -120,7 +164,7 @@ func newPolicy(ns, name, target string) *v1alpha1.RateLimitPolicy {
 			Rules: []v1alpha1.Rule{{Name: "burst", TokenBucket: &v1alpha1.TokenBucket{Capacity: 10, Refill: v1alpha1.TokenRefill{Tokens: 10, Period: "1s"}},
 				Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Api-Key")}}}},
 			Storage: &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{
-				Mode: v1alpha1.RedisStandalone, Addresses: []v1alpha1.HostPort{"redis.example:6379"},
+				Mode: v1alpha1.RedisStandalone, Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redisAddr)},
 				CredentialsSecretRef: &v1alpha1.CredentialsSecretRef{Name: "redis-creds", PasswordKey: "password"},
 			}},
 			Enforcer: &v1alpha1.EnforcerSpec{Replicas: ptr.To[int32](3)},
@@ -193,34 +237,19 @@ func updateSpec(t *testing.T, p *v1alpha1.RateLimitPolicy, change func(*v1alpha1
 	}
 }
 
-// playDeploymentController sets the status the Deployment controller would once every replica of
-// the current spec is available (envtest runs no kube-controller-manager).
-func playDeploymentController(t *testing.T, d *appsv1.Deployment) {
-	t.Helper()
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(d), d); err != nil {
-			return err
-		}
-		n := *d.Spec.Replicas
-		d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: n, UpdatedReplicas: n, ReadyReplicas: n, AvailableReplicas: n}
-		return k8s.Status().Update(context.Background(), d)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFollowsRollout(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
 	p := newPolicy(ns, "api-limits", "api")
+	// The pods the ReplicaSet controller creates wait for a kubelet.
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, v1alpha1.ReasonProgrammed)
-	if c := condition(t, p, v1alpha1.ConditionReady); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonRollingOut {
-		t.Errorf("Ready before the rollout = %+v, want False/RollingOut", c)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonUnavailable)
+	if c := condition(t, p, v1alpha1.ConditionReady); !strings.HasPrefix(c.Message, "0/3 replicas serve revision ") {
+		t.Errorf("Ready before any pod runs = %+v, want 0/3 replicas serving", c)
 	}
 	if s := kstatus(t, p); s != status.InProgressStatus {
 		t.Errorf("kstatus before the enforcer is ready = %s, want InProgress", s)
@@ -228,7 +257,7 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 
 	name := client.ObjectKey{Namespace: ns, Name: "sluice-api-limits"}
 	cm, dep, svc, pdb := &corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}
-	for _, o := range []client.Object{cm, dep, svc, pdb} {
+	for _, o := range []client.Object{cm, dep, svc, pdb, &corev1.ServiceAccount{}, &rbacv1.Role{}, &rbacv1.RoleBinding{}} {
 		if err := k8s.Get(ctx, name, o); err != nil {
 			t.Fatalf("%T: %v", o, err)
 		}
@@ -243,9 +272,14 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 	if p.Status.Enforcer == nil || p.Status.Enforcer.ConfigRevision != cm.Annotations[render.RevisionAnnotation] || p.Status.Enforcer.ServiceName != name.Name || p.Status.Enforcer.Replicas != 3 {
 		t.Errorf("status.enforcer = %+v", p.Status.Enforcer)
 	}
-	env := dep.Spec.Template.Spec.Containers[0].Env
-	if len(env) != 1 || env[0].Name != "REDIS_PASSWORD" || env[0].ValueFrom.SecretKeyRef.Name != "redis-creds" {
-		t.Errorf("credentials env = %+v, want REDIS_PASSWORD from Secret redis-creds", env)
+	var creds *corev1.SecretVolumeSource
+	for _, v := range dep.Spec.Template.Spec.Volumes {
+		if v.Secret != nil && v.Secret.SecretName == "redis-creds" {
+			creds = v.Secret
+		}
+	}
+	if creds == nil || len(creds.Items) != 1 || creds.Items[0].Key != "password" || !slices.Contains(dep.Spec.Template.Spec.Containers[0].Args, "--redis-password-file=/etc/sluice-redis-credentials/password") {
+		t.Errorf("credentials: volume %+v, args %v; want Secret redis-creds's password mounted and named by --redis-password-file", creds, dep.Spec.Template.Spec.Containers[0].Args)
 	}
 	for _, v := range cm.Data {
 		if len(v) == 0 {
@@ -253,13 +287,18 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 		}
 	}
 
-	playDeploymentController(t, dep)
+	// A kubelet runs the pods: the Deployment controller counts them available, and each
+	// enforcer reports the revision it serves.
+	runEnforcers(t, ns)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
 	if s := kstatus(t, p); s != status.CurrentStatus {
 		t.Errorf("kstatus once the enforcer is ready = %s, want Current", s)
 	}
-	if p.Status.Enforcer.ReadyReplicas != 3 {
-		t.Errorf("readyReplicas = %d, want 3", p.Status.Enforcer.ReadyReplicas)
+	if p.Status.Enforcer.ReadyReplicas != 3 || p.Status.Enforcer.Ready != "3/3" {
+		t.Errorf("status.enforcer = %+v, want 3/3 ready", p.Status.Enforcer)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(dep), dep); err != nil || dep.Status.AvailableReplicas != 3 {
+		t.Errorf("Deployment status %+v (%v), want 3 available as the Deployment controller counts them", dep.Status, err)
 	}
 }
 
@@ -274,8 +313,7 @@ func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
-	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-steady"}}
-	playDeploymentController(t, dep)
+	runEnforcers(t, ns)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
 
 	versions := func() map[string]string {
@@ -349,9 +387,12 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
-	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-change"}}
-	playDeploymentController(t, dep)
+	runEnforcers(t, ns)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	dep := &appsv1.Deployment{}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-change"}, dep); err != nil {
+		t.Fatal(err)
+	}
 	oldRevision := p.Status.Enforcer.ConfigRevision
 	oldTemplate := dep.Spec.Template.DeepCopy()
 
@@ -364,9 +405,8 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 		return rev != oldRevision && p.Status.Enforcer.ConfigRevision == rev && p.Status.ObservedGeneration == p.Generation,
 			fmt.Sprintf("ConfigMap %s, status %s", rev, p.Status.Enforcer.ConfigRevision)
 	})
-	// The running pods reload the mounted config: the pod template does not change, so nothing
-	// restarts. The Deployment's revision annotation still moves its generation (annotations are
-	// copied to ReplicaSets), and Ready waits until the Deployment controller has observed it.
+	// The running pods reload the config: the pod template does not change, so nothing restarts.
+	// Ready comes back once every replica reports the new revision.
 	if err := k8s.Get(ctx, client.ObjectKeyFromObject(dep), dep); err != nil {
 		t.Fatal(err)
 	}
@@ -376,13 +416,22 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 	if dep.Annotations[render.RevisionAnnotation] != p.Status.Enforcer.ConfigRevision {
 		t.Errorf("Deployment revision annotation %q, want %q", dep.Annotations[render.RevisionAnnotation], p.Status.Enforcer.ConfigRevision)
 	}
-	playDeploymentController(t, dep)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	if c := condition(t, p, v1alpha1.ConditionReady); c.Message != "3/3 replicas serve revision "+p.Status.Enforcer.ConfigRevision {
+		t.Errorf("Ready message %q, want every replica serving %s", c.Message, p.Status.Enforcer.ConfigRevision)
+	}
 
+	// Scaling up: Ready is False until the Deployment controller and the kubelet have the two
+	// new replicas available and serving.
 	updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Enforcer.Replicas = ptr.To[int32](5) })
-	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonRollingOut)
-	playDeploymentController(t, dep)
+	eventually(t, "Ready False while the new replicas start", func() (bool, string) {
+		c := condition(t, p, v1alpha1.ConditionReady)
+		return c.Status == metav1.ConditionFalse && c.ObservedGeneration == p.Generation, fmt.Sprintf("%+v", c)
+	})
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	if p.Status.Enforcer.Ready != "5/5" {
+		t.Errorf("status.enforcer.ready %q, want 5/5", p.Status.Enforcer.Ready)
+	}
 }
 
 // A policy that passed the schema but cannot work (here a sliding log too large to keep) is not
@@ -477,9 +526,10 @@ func TestReconcileWhenRedisStopsAnsweringThenDegradedUntilItIsBack(t *testing.T)
 	waitCondition(t, p, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
 }
 
-// Deletion is garbage collection: envtest runs no garbage collector, so the test checks what it
-// would follow, the owned objects' controller references to the deleted policy's UID.
-func TestReconcileWhenPolicyIsDeletedThenOwnedObjectsPointToItForGarbageCollection(t *testing.T) {
+// Deletion is garbage collection: the policy has no finalizer, every object it renders carries its
+// controller reference, and the real garbage collector removes them all, the managed Redis and
+// the pods included.
+func TestReconcileWhenPolicyIsDeletedThenTheGarbageCollectorRemovesItsObjects(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "ctrl")
 	targetService(t, ns, "api")
@@ -493,24 +543,23 @@ func TestReconcileWhenPolicyIsDeletedThenOwnedObjectsPointToItForGarbageCollecti
 	if len(p.Finalizers) != 0 {
 		t.Errorf("finalizers %v: deletion must not wait for the controller", p.Finalizers)
 	}
-	uid := p.UID
-	if err := k8s.Delete(ctx, p); err != nil {
-		t.Fatal(err)
+	name, redisName := client.ObjectKey{Namespace: ns, Name: "sluice-doomed"}, client.ObjectKey{Namespace: ns, Name: "sluice-doomed-redis"}
+	owned := map[client.Object]client.ObjectKey{
+		&corev1.ConfigMap{}: name, &appsv1.Deployment{}: name, &corev1.Service{}: name, &policyv1.PodDisruptionBudget{}: name,
+		&corev1.ServiceAccount{}: name, &rbacv1.Role{}: name, &rbacv1.RoleBinding{}: name,
+		&appsv1.Deployment{}: redisName, &corev1.Service{}: redisName,
 	}
-	for _, o := range []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
-		if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-doomed"}, o); err != nil {
-			t.Fatalf("%T: %v", o, err)
+	for o, key := range owned {
+		if err := k8s.Get(ctx, key, o); err != nil {
+			t.Fatalf("%T %s: %v", o, key.Name, err)
 		}
-		if refs := o.GetOwnerReferences(); len(refs) != 1 || refs[0].UID != uid {
-			t.Errorf("%T owner references %+v", o, refs)
+		if ref := metav1.GetControllerOf(o); ref == nil || ref.UID != p.UID || !ptr.Deref(ref.BlockOwnerDeletion, false) {
+			t.Errorf("%T %s controller reference %+v, want the policy", o, key.Name, ref)
 		}
 	}
 	redisDep := &appsv1.Deployment{}
-	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-doomed-redis"}, redisDep); err != nil {
+	if err := k8s.Get(ctx, redisName, redisDep); err != nil {
 		t.Fatal(err)
-	}
-	if refs := redisDep.GetOwnerReferences(); len(refs) != 1 || refs[0].UID != uid {
-		t.Errorf("managed Redis owner references %+v", refs)
 	}
 	args := fmt.Sprint(redisDep.Spec.Template.Spec.Containers[0].Args)
 	for _, want := range []string{"--save ", "--appendonly no", "--maxmemory-policy volatile-ttl"} {
@@ -518,6 +567,25 @@ func TestReconcileWhenPolicyIsDeletedThenOwnedObjectsPointToItForGarbageCollecti
 			t.Errorf("managed Redis args %s lack %q", args, want)
 		}
 	}
+	var pods corev1.PodList
+	eventually(t, "the ReplicaSet controller's pods", func() (bool, string) {
+		err := k8s.List(ctx, &pods, client.InNamespace(ns))
+		return err == nil && len(pods.Items) >= 3, fmt.Sprintf("%d pods (%v)", len(pods.Items), err)
+	})
+	if err := k8s.Delete(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "every owned object collected", func() (bool, string) {
+		for o, key := range owned {
+			if err := k8s.Get(ctx, key, o); !apierrors.IsNotFound(err) {
+				return false, fmt.Sprintf("%T %s still there (%v)", o, key.Name, err)
+			}
+		}
+		if err := k8s.List(ctx, &pods, client.InNamespace(ns)); err != nil || len(pods.Items) > 0 {
+			return false, fmt.Sprintf("%d pods still there (%v)", len(pods.Items), err)
+		}
+		return true, ""
+	})
 }
 
 // noWatch lets the interceptor wrap the manager's cached client, which the reconciler uses for

@@ -12,6 +12,7 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -99,7 +100,8 @@ func TestReconcileWhenAnOwnedObjectIsEditedOrDeletedThenItIsPutBack(t *testing.T
 	for _, e := range edits {
 		t.Run(e.name, func(t *testing.T) {
 			before := driftEvents(t, ns)
-			if err := e.edit(); err != nil {
+			// The Deployment controller writes the Deployment's status meanwhile.
+			if err := retry.RetryOnConflict(retry.DefaultRetry, e.edit); err != nil {
 				t.Fatal(err)
 			}
 			eventually(t, "put back", e.putBack)
@@ -234,8 +236,8 @@ func TestReconcileWhenAnObjectItDoesNotOwnIsInTheWayThenStalledAndLeftAlone(t *t
 }
 
 // A policy deleted and created again under the same name meets the old objects until garbage
-// collection removes them (envtest runs none, so the test removes them): it waits, Reconciling and
-// not Stalled, and is programmed once they are gone.
+// collection removes them: it waits, Reconciling and not Stalled, and is programmed once they are
+// gone. A finalizer of someone else holds the old ConfigMap, so the wait is certain to happen.
 func TestReconcileWhenAPolicyIsCreatedAgainThenItWaitsForTheOldObjectsInsteadOfStalling(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "again")
@@ -245,9 +247,29 @@ func TestReconcileWhenAPolicyIsCreatedAgainThenItWaitsForTheOldObjectsInsteadOfS
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	const hold = "test.sluice.dev/hold"
+	cm := &corev1.ConfigMap{}
+	key := client.ObjectKey{Namespace: ns, Name: "sluice-again"}
+	setFinalizers := func(f ...string) {
+		t.Helper()
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			if err := k8s.Get(ctx, key, cm); err != nil {
+				return err
+			}
+			cm.Finalizers = f
+			return k8s.Update(ctx, cm)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setFinalizers(hold)
 	if err := k8s.Delete(ctx, p); err != nil {
 		t.Fatal(err)
 	}
+	eventually(t, "the garbage collector deleting the old ConfigMap", func() (bool, string) {
+		err := k8s.Get(ctx, key, cm)
+		return err == nil && cm.DeletionTimestamp != nil, fmt.Sprintf("%v", err)
+	})
 	p = newPolicy(ns, "again", "api")
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
@@ -260,13 +282,6 @@ func TestReconcileWhenAPolicyIsCreatedAgainThenItWaitsForTheOldObjectsInsteadOfS
 	if c := condition(t, p, v1alpha1.ConditionStalled); c == nil || c.Status != metav1.ConditionFalse {
 		t.Errorf("Stalled = %+v while the old objects wait for garbage collection, want False", c)
 	}
-	// Garbage collection's part: the old policy's objects go.
-	for _, o := range []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
-		o.SetNamespace(ns)
-		o.SetName("sluice-again")
-		if err := k8s.Delete(ctx, o); err != nil && !apierrors.IsNotFound(err) {
-			t.Fatal(err)
-		}
-	}
+	setFinalizers()
 	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
 }

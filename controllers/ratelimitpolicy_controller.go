@@ -5,24 +5,31 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net/http"
 	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
@@ -33,6 +40,7 @@ import (
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/enforcer/report"
 )
 
 // FieldOwner is the server-side apply field manager of everything the controller writes.
@@ -60,24 +68,53 @@ type RateLimitPolicyReconciler struct {
 	ProbeInterval time.Duration
 	// Clock stamps the conditions' transitions. Default the real clock.
 	Clock clock.PassiveClock
+	// FetchReport reads an enforcer pod's report. Default FetchReport over HTTP with a 2s
+	// timeout.
+	FetchReport ReportFetcher
+	// ReportInterval is how often each policy's enforcer reports are read, and the least time
+	// between two status writes that only update counts or messages. Default 10s.
+	ReportInterval time.Duration
+
+	// mem is what the reconciler remembers between reconciles; SetupWithManager makes it.
+	mem *memory
+}
+
+// memory is the reconciler's state across reconciles, lost on restart.
+type memory struct {
+	history history
+	// written is when each policy's status was last written.
+	written sync.Map // types.NamespacedName -> time.Time
 }
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups="",resources=configmaps;services,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=serviceaccounts,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile applies the policy's enforcer objects and reports what it observed in status.
-func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, retErr error) {
+func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (res ctrl.Result, retErr error) {
 	p := &v1alpha1.RateLimitPolicy{}
 	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
+		if apierrors.IsNotFound(err) {
+			r.mem.history.forget(req.NamespacedName)
+			r.mem.written.Delete(req.NamespacedName)
+		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	before := p.DeepCopy()
 	var obs observation
-	defer func() { retErr = errors.Join(retErr, r.writeStatus(ctx, before, p, obs, retErr == nil)) }()
+	defer func() {
+		wait, err := r.writeStatus(ctx, before, p, obs, retErr == nil)
+		retErr = errors.Join(retErr, err)
+		if wait > 0 && (res.RequeueAfter == 0 || wait < res.RequeueAfter) {
+			res.RequeueAfter = wait
+		}
+	}()
 
 	// The same validation as the webhook: a policy that bypassed admission is still judged.
 	if errs := policy.Validate(p); len(errs) > 0 {
@@ -114,6 +151,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
 	obs.image = objs.Deployment.Spec.Template.Spec.Containers[0].Image
+	obs.storage = storageKind(p)
 
 	dep := &appsv1.Deployment{}
 	if err := r.Get(ctx, client.ObjectKeyFromObject(objs.Deployment), dep); err != nil {
@@ -126,12 +164,103 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if err := client.IgnoreNotFound(err); err != nil {
 		return ctrl.Result{}, err
 	}
-	// Redis can fail with nothing in the cluster changing: look again on a clock.
-	var probed bool
-	if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
-		return ctrl.Result{RequeueAfter: r.probeInterval()}, nil
+	if err := r.readReports(ctx, p, &obs); err != nil {
+		return ctrl.Result{}, err
 	}
-	return ctrl.Result{}, nil
+	// The manager's own probe of Redis speaks only when no replica does.
+	reported := slices.ContainsFunc(obs.pods, func(r replica) bool { return r.report != nil })
+	if !reported {
+		var probed bool
+		if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
+			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval())}, nil
+		}
+	}
+	// Replicas report what no event announces: read them again on a clock.
+	return ctrl.Result{RequeueAfter: r.reportInterval()}, nil
+}
+
+func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
+	if r.ReportInterval > 0 {
+		return r.ReportInterval
+	}
+	return 10 * time.Second
+}
+
+// reportTimeout bounds the reading of one enforcer's report.
+const reportTimeout = 2 * time.Second
+
+// readReports finds the policy's enforcer pods through the API server, reads the report of each
+// that runs, at once, and records their counters.
+func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) error {
+	var pods corev1.PodList
+	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels(render.PodLabels(p))); err != nil {
+		return err
+	}
+	fetch := r.FetchReport
+	if fetch == nil {
+		fetch = defaultFetch
+	}
+	var running []*corev1.Pod
+	for i := range pods.Items {
+		pod := &pods.Items[i]
+		if pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		running = append(running, pod)
+		obs.pods = append(obs.pods, replica{pod: pod.Name, ready: podReady(pod), err: errors.New("the pod has no IP yet")})
+	}
+	var wg sync.WaitGroup
+	for i, pod := range running {
+		if pod.Status.PodIP == "" {
+			continue
+		}
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(ctx, reportTimeout)
+			defer cancel()
+			obs.pods[i].report, obs.pods[i].err = fetch(ctx, pod)
+		})
+	}
+	wg.Wait()
+	reports := map[types.UID]*report.Report{}
+	for i, pod := range running {
+		reports[pod.UID] = obs.pods[i].report
+	}
+	id := p.Namespace + "/" + p.Name
+	obs.counts = r.mem.history.record(client.ObjectKeyFromObject(p), func(rule report.Rule) (string, bool) {
+		return rule.Name, rule.Policy == id
+	}, reports, r.clock().Now())
+	return nil
+}
+
+var defaultFetch = FetchReport(&http.Client{Timeout: reportTimeout})
+
+func podReady(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// storageKind names where the policy's counters live, for status.
+func storageKind(p *v1alpha1.RateLimitPolicy) string {
+	switch s := p.Spec.Storage; {
+	case s == nil || s.Memory != nil:
+		return "memory"
+	case s.ManagedRedis != nil:
+		return "managed-redis"
+	case s.Redis != nil:
+		return "redis-" + strings.ToLower(string(s.Redis.Mode))
+	}
+	return "memory"
+}
+
+func (r *RateLimitPolicyReconciler) clock() clock.PassiveClock {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
 }
 
 func (r *RateLimitPolicyReconciler) probeInterval() time.Duration {
@@ -294,39 +423,71 @@ func firstDifference(got, want any, path string) (string, bool) {
 	}
 }
 
-// writeStatus writes the status once, and only when it changed, and records an event for each
-// condition that changed status.
-func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool) error {
-	clk := r.Clock
-	if clk == nil {
-		clk = clock.RealClock{}
-	}
-	p.Status = computeStatus(before, obs, reconciled, clk.Now())
+// writeStatus writes the status when it changed, and records an event for each condition that
+// changed status. A change a user acts on (a condition's status or reason, the generation, the
+// revision, the replicas serving it) is written at once; one that only moves counts or messages
+// waits until ReportInterval has passed since the last write, and writeStatus returns how long
+// is left. So a thousand idle policies write nothing, and a busy one once per interval.
+func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool) (time.Duration, error) {
+	now := r.clock().Now()
+	p.Status = computeStatus(before, obs, reconciled, now)
 	if equality.Semantic.DeepEqual(before.Status, p.Status) {
-		return nil
+		return 0, nil
+	}
+	key := client.ObjectKeyFromObject(p)
+	if last, ok := r.mem.written.Load(key); ok && !noticeable(&before.Status, &p.Status) {
+		if wait := last.(time.Time).Add(r.reportInterval()).Sub(now); wait > 0 {
+			p.Status = before.Status
+			return wait, nil
+		}
 	}
 	if err := r.Status().Patch(ctx, p, client.MergeFrom(before)); err != nil {
-		return client.IgnoreNotFound(err)
+		return 0, client.IgnoreNotFound(err)
 	}
+	r.mem.written.Store(key, now)
 	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
-		old, now := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
-		if now == nil || old != nil && old.Status == now.Status {
+		old, cur := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
+		if cur == nil || old != nil && old.Status == cur.Status {
 			continue
 		}
 		kind := corev1.EventTypeNormal
-		if (t == v1alpha1.ConditionDegraded) == (now.Status == "True") {
+		if (t == v1alpha1.ConditionDegraded) == (cur.Status == "True") {
 			kind = corev1.EventTypeWarning
 		}
 		if r.Recorder != nil {
-			r.Recorder.Eventf(p, nil, kind, now.Reason, t, "%s is %s: %s", t, now.Status, now.Message)
+			r.Recorder.Eventf(p, nil, kind, cur.Reason, t, "%s is %s: %s", t, cur.Status, cur.Message)
 		}
 	}
-	return nil
+	return 0, nil
+}
+
+// noticeable tells whether a status change is one a user or a GitOps tool acts on, rather than
+// moved counts or reworded messages.
+func noticeable(old, cur *v1alpha1.RateLimitPolicyStatus) bool {
+	if old.ObservedGeneration != cur.ObservedGeneration || len(old.Conditions) != len(cur.Conditions) ||
+		(old.Enforcer == nil) != (cur.Enforcer == nil) {
+		return true
+	}
+	for _, c := range cur.Conditions {
+		o := meta.FindStatusCondition(old.Conditions, c.Type)
+		if o == nil || o.Status != c.Status || o.Reason != c.Reason || o.ObservedGeneration != c.ObservedGeneration {
+			return true
+		}
+	}
+	if old.Enforcer != nil {
+		o, c := old.Enforcer, cur.Enforcer
+		if o.ConfigRevision != c.ConfigRevision || o.ReadyReplicas != c.ReadyReplicas || o.Replicas != c.Replicas ||
+			o.Image != c.Image || o.Storage != c.Storage || o.ServiceName != c.ServiceName {
+			return true
+		}
+	}
+	return false
 }
 
 // SetupWithManager registers the controller: it owns the enforcer objects and watches Services,
 // so that a target that appears or disappears is noticed.
 func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) error {
+	r.mem = &memory{}
 	if err := mgr.GetFieldIndexer().IndexField(ctx, &v1alpha1.RateLimitPolicy{}, targetIndex, func(o client.Object) []string {
 		return []string{o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name}
 	}); err != nil {
@@ -353,10 +514,28 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
+		Owns(&corev1.ServiceAccount{}).
+		Owns(&rbacv1.Role{}).
+		Owns(&rbacv1.RoleBinding{}).
+		// A pod that starts, becomes ready or goes away changes what the policy's status says.
+		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
+			name := render.PolicyOfPod(o.GetLabels())
+			if name == "" {
+				return nil
+			}
+			return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: o.GetNamespace(), Name: name}}}
+		})).
 		Watches(&corev1.Service{}, policiesTargeting(client.Object.GetName)).
 		// A policy that goes away frees its target for the next policy in line.
 		Watches(&v1alpha1.RateLimitPolicy{}, policiesTargeting(func(o client.Object) string {
 			return o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name
 		})).
 		Complete(r)
+}
+
+// CacheByObject narrows what the manager caches: of all pods, only enforcer pods.
+func CacheByObject() map[client.Object]cache.ByObject {
+	return map[client.Object]cache.ByObject{
+		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue})},
+	}
 }

@@ -2,6 +2,8 @@ package controllers
 
 import (
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -9,7 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer/report"
 )
 
 // observation is what one reconcile learned. Status is a pure function of it.
@@ -27,11 +29,26 @@ type observation struct {
 	service    string
 	replicas   int32
 	image      string
+	storage    string
 	deployment *appsv1.Deployment
+	// pods are the enforcer pods that are not terminating, with what each reported.
+	pods []replica
+	// counts are each rule's decisions over the last minute, by rule name.
+	counts map[string]report.Counters
 	// targetMissing is true when the target Service does not exist.
 	targetMissing bool
-	// redisUnreachable says why the Redis of storage.redis did not answer a probe.
+	// redisUnreachable says why the Redis of storage.redis did not answer the manager's probe.
 	redisUnreachable string
+}
+
+// replica is one enforcer pod as the manager saw it.
+type replica struct {
+	pod string
+	// ready is the pod's Ready condition.
+	ready bool
+	// report is what the enforcer reported, or err why it could not be read.
+	report *report.Report
+	err    error
 }
 
 // computeStatus derives the status from an observation made at now. A condition whose status
@@ -74,47 +91,138 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		set(v1alpha1.ConditionProgrammed, true, v1alpha1.ReasonProgrammed, "config revision "+obs.revision+" applied")
 	}
 
-	ready, reason, msg := deploymentReady(obs)
+	serving, ready, reason, msg := readiness(obs)
 	set(v1alpha1.ConditionReady, ready, reason, msg)
 	set(v1alpha1.ConditionReconciling, accepted && !obs.stalled && !ready, reason, msg)
-
-	switch {
-	case obs.targetMissing:
-		set(v1alpha1.ConditionDegraded, true, v1alpha1.ReasonTargetNotFound, "Service "+p.Spec.TargetRef.Name+" does not exist: the enforcer has nothing to forward to")
-	case obs.redisUnreachable != "":
-		set(v1alpha1.ConditionDegraded, true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable)
-	default:
-		set(v1alpha1.ConditionDegraded, false, v1alpha1.ReasonAsExpected, "")
+	st.Reason = ""
+	if !ready {
+		st.Reason = reason
 	}
+
+	degraded, reason, msg := degradation(p, obs)
+	set(v1alpha1.ConditionDegraded, degraded, reason, msg)
 
 	if obs.programmed {
-		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Replicas: obs.replicas, Image: obs.image, ConfigRevision: obs.revision}
-		if obs.deployment != nil {
-			st.Enforcer.ReadyReplicas = obs.deployment.Status.ReadyReplicas
-		}
+		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Replicas: obs.replicas, Image: obs.image,
+			ConfigRevision: obs.revision, ReadyReplicas: serving, Ready: fmt.Sprintf("%d/%d", serving, obs.replicas), Storage: obs.storage}
 	}
+	st.Rules, st.Limited = ruleCounts(p, obs.counts)
 	if reconciled {
 		st.ObservedGeneration = gen
 	}
 	return st
 }
 
-// deploymentReady tells whether the enforcer Deployment runs the current config revision on all
-// its replicas.
-func deploymentReady(obs observation) (bool, string, string) {
-	d := obs.deployment
-	switch {
-	case !obs.programmed || d == nil:
-		return false, v1alpha1.ReasonNotProgrammed, "the enforcer is not programmed"
-	case d.Annotations[render.RevisionAnnotation] != obs.revision:
-		return false, v1alpha1.ReasonRollingOut, "the enforcer Deployment does not have config revision " + obs.revision + " yet"
-	case d.Status.ObservedGeneration < d.Generation:
-		return false, v1alpha1.ReasonRollingOut, "the Deployment controller has not observed the enforcer Deployment's latest spec"
-	case d.Spec.Replicas != nil && (d.Status.UpdatedReplicas < *d.Spec.Replicas || d.Status.AvailableReplicas < *d.Spec.Replicas):
-		return false, v1alpha1.ReasonRollingOut, fmt.Sprintf("%d of %d enforcer replicas updated and %d available",
-			d.Status.UpdatedReplicas, *d.Spec.Replicas, d.Status.AvailableReplicas)
-	case d.Status.Replicas > d.Status.UpdatedReplicas:
-		return false, v1alpha1.ReasonRollingOut, "old enforcer replicas are still terminating"
+// readiness tells how many replicas serve the current revision and whether that makes the
+// policy Ready: every desired replica ready and reporting it, no replica reporting another, and
+// the Deployment done rolling out.
+func readiness(obs observation) (serving int32, ready bool, reason, msg string) {
+	if !obs.programmed || obs.deployment == nil {
+		return 0, false, v1alpha1.ReasonNotProgrammed, "the enforcer is not programmed"
 	}
-	return true, v1alpha1.ReasonAvailable, "all enforcer replicas run config revision " + obs.revision
+	others := map[string]int{}
+	var missing []string
+	for _, r := range obs.pods {
+		switch {
+		case !r.ready:
+			missing = append(missing, r.pod+" is not ready")
+		case r.err != nil:
+			missing = append(missing, r.pod+" did not report: "+r.err.Error())
+		case r.report.Revision == obs.revision:
+			serving++
+		default:
+			others[r.report.Revision]++
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d/%d replicas serve revision %s", serving, obs.replicas, obs.revision)
+	for _, rev := range slices.Sorted(func(yield func(string) bool) {
+		for rev := range others {
+			if !yield(rev) {
+				return
+			}
+		}
+	}) {
+		fmt.Fprintf(&b, "; %d serves %s", others[rev], rev)
+	}
+	if len(missing) > 0 {
+		slices.Sort(missing)
+		fmt.Fprintf(&b, "; %s", missing[0])
+		if len(missing) > 1 {
+			fmt.Fprintf(&b, " (and %d more)", len(missing)-1)
+		}
+	}
+	msg = b.String()
+	d := obs.deployment
+	rolling := d.Status.ObservedGeneration < d.Generation ||
+		d.Status.UpdatedReplicas < obs.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
+	switch {
+	case len(others) > 0 || rolling && serving < obs.replicas:
+		return serving, false, v1alpha1.ReasonRollingOut, msg
+	case serving < obs.replicas || d.Status.AvailableReplicas < obs.replicas:
+		return serving, false, v1alpha1.ReasonUnavailable, msg
+	case rolling:
+		return serving, false, v1alpha1.ReasonRollingOut, msg + "; old replicas are still terminating"
+	}
+	return serving, true, v1alpha1.ReasonAvailable, msg
+}
+
+// degradation tells what weakens enforcement: a missing target, a store that a replica cannot
+// use, in that replica's words, or, when no replica reports, a Redis the manager cannot reach.
+func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, string) {
+	if obs.targetMissing {
+		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the enforcer has nothing to forward to"
+	}
+	pods := slices.Clone(obs.pods)
+	slices.SortFunc(pods, func(a, b replica) int { return strings.Compare(a.pod, b.pod) })
+	for _, r := range pods {
+		if r.report == nil || r.report.Store.Connected {
+			continue
+		}
+		reason := v1alpha1.ReasonRedisUnreachable
+		switch r.report.Store.Cause {
+		case report.CauseAuthentication:
+			reason = v1alpha1.ReasonRedisAuthenticationFailed
+		case report.CauseTLS:
+			reason = v1alpha1.ReasonRedisTLSFailed
+		}
+		return true, reason, "replica " + r.pod + ": " + r.report.Store.Message
+	}
+	if obs.redisUnreachable != "" {
+		return true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
+	}
+	return false, v1alpha1.ReasonAsExpected, ""
+}
+
+// ruleCounts turns the counts of the last minute into status, in spec order, and the share of
+// enforced decisions that refused.
+func ruleCounts(p *v1alpha1.RateLimitPolicy, counts map[string]report.Counters) ([]v1alpha1.RuleStatus, string) {
+	if len(counts) == 0 {
+		return nil, ""
+	}
+	var out []v1alpha1.RuleStatus
+	var decided, limited uint64
+	for _, rule := range p.Spec.Rules {
+		c, ok := counts[rule.Name]
+		if !ok {
+			continue
+		}
+		rs := v1alpha1.RuleStatus{Name: rule.Name, Allowed: int64(c.Allowed), Limited: int64(c.Limited + c.ShadowLimited),
+			Failed: int64(c.FailedOpen + c.FailedClosed)}
+		rs.LimitedShare = share(c.Limited+c.ShadowLimited, c.Allowed+c.Limited+c.ShadowLimited)
+		if rule.Mode != v1alpha1.ModeShadow {
+			decided += c.Allowed + c.Limited
+			limited += c.Limited
+		}
+		out = append(out, rs)
+	}
+	return out, share(limited, decided)
+}
+
+// share formats part/whole as a percentage with one decimal, or "" when whole is 0.
+func share(part, whole uint64) string {
+	if whole == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%.1f%%", 100*float64(part)/float64(whole))
 }

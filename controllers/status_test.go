@@ -2,16 +2,18 @@ package controllers
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/enforcer/report"
 )
 
 var t0 = time.Unix(1_700_000_000, 0)
@@ -66,58 +68,82 @@ func TestComputeStatusWhenApplyFailsThenStalledOnlyWhenFinal(t *testing.T) {
 func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 	ready := func(replicas int32) *appsv1.Deployment {
 		return &appsv1.Deployment{
-			ObjectMeta: metav1.ObjectMeta{Generation: 2, Annotations: map[string]string{render.RevisionAnnotation: "r1"}},
+			ObjectMeta: metav1.ObjectMeta{Generation: 2},
 			Spec:       appsv1.DeploymentSpec{Replicas: ptr.To(replicas)},
 			Status:     appsv1.DeploymentStatus{ObservedGeneration: 2, Replicas: replicas, UpdatedReplicas: replicas, AvailableReplicas: replicas, ReadyReplicas: replicas},
 		}
 	}
-	programmed := func(d *appsv1.Deployment) observation {
-		return observation{programmed: true, revision: "r1", service: "sluice-p", replicas: 2, image: "img", deployment: d}
+	serving := func(pod, revision string) replica {
+		return replica{pod: pod, ready: true, report: &report.Report{Revision: revision, Store: report.Store{Connected: true}}}
 	}
+	observe := func(d *appsv1.Deployment, pods ...replica) observation {
+		return observation{programmed: true, revision: "r1", service: "sluice-p", replicas: 2, image: "img", storage: "redis-standalone",
+			deployment: d, pods: pods}
+	}
+	both := []replica{serving("p-a", "r1"), serving("p-b", "r1")}
 	rolling := ready(2)
 	rolling.Status.UpdatedReplicas = 1
-	oldRevision := ready(2)
-	oldRevision.Annotations[render.RevisionAnnotation] = "r0"
 	unobserved := ready(2)
 	unobserved.Status.ObservedGeneration = 1
 	terminating := ready(2)
 	terminating.Status.Replicas = 3
-	withTarget := programmed(ready(2))
+	withTarget := observe(ready(2), both...)
 	withTarget.targetMissing = true
-	withRedis := programmed(ready(2))
-	withRedis.redisUnreachable = "dial tcp 10.0.0.1:6379: i/o timeout"
+	storeFails := func(cause, msg string) observation {
+		b := serving("p-b", "r1")
+		b.report.Store = report.Store{Cause: cause, Message: msg}
+		return observe(ready(2), serving("p-a", "r1"), b)
+	}
+	probeOnly := observe(ready(2), replica{pod: "p-a", ready: true, err: errors.New("connection refused")})
+	probeOnly.redisUnreachable = "dial tcp 10.0.0.1:6379: i/o timeout"
 
 	type cond struct {
-		status metav1.ConditionStatus
-		reason string
+		status       metav1.ConditionStatus
+		reason, text string
 	}
 	cases := []struct {
-		name string
-		obs  observation
-		want map[string]cond
+		name  string
+		obs   observation
+		want  map[string]cond
+		ready string
 	}{
-		{"when every replica runs the current revision then Ready", programmed(ready(2)), map[string]cond{
-			v1alpha1.ConditionAccepted: {"True", v1alpha1.ReasonAccepted}, v1alpha1.ConditionProgrammed: {"True", v1alpha1.ReasonProgrammed},
-			v1alpha1.ConditionReady: {"True", v1alpha1.ReasonAvailable}, v1alpha1.ConditionDegraded: {"False", v1alpha1.ReasonAsExpected},
-			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonAvailable}, v1alpha1.ConditionStalled: {"False", v1alpha1.ReasonAccepted}}},
+		{"when every replica serves the current revision then Ready", observe(ready(2), both...), map[string]cond{
+			v1alpha1.ConditionAccepted: {"True", v1alpha1.ReasonAccepted, ""}, v1alpha1.ConditionProgrammed: {"True", v1alpha1.ReasonProgrammed, ""},
+			v1alpha1.ConditionReady:       {"True", v1alpha1.ReasonAvailable, "2/2 replicas serve revision r1"},
+			v1alpha1.ConditionDegraded:    {"False", v1alpha1.ReasonAsExpected, ""},
+			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonAvailable, ""}, v1alpha1.ConditionStalled: {"False", v1alpha1.ReasonAccepted, ""}}, "2/2"},
 		{"when the spec is invalid then not Accepted and Stalled", observation{invalid: "spec.rules: Required value"}, map[string]cond{
-			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonInvalid}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonInvalid},
-			v1alpha1.ConditionProgrammed: {"False", v1alpha1.ReasonNotAccepted}, v1alpha1.ConditionReady: {"False", v1alpha1.ReasonNotProgrammed},
-			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonNotProgrammed}}},
+			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonInvalid, ""}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonInvalid, ""},
+			v1alpha1.ConditionProgrammed: {"False", v1alpha1.ReasonNotAccepted, ""}, v1alpha1.ConditionReady: {"False", v1alpha1.ReasonNotProgrammed, ""},
+			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonNotProgrammed, ""}}, ""},
 		{"when an older policy targets the Service then Conflicted and Stalled", observation{conflictsWith: "older"}, map[string]cond{
-			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonConflicted}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonConflicted}}},
-		{"when the Deployment still has the old revision then RollingOut", programmed(oldRevision), map[string]cond{
-			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}, v1alpha1.ConditionReconciling: {"True", v1alpha1.ReasonRollingOut}}},
-		{"when replicas are being updated then RollingOut", programmed(rolling), map[string]cond{
-			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}}},
-		{"when the Deployment controller has not seen the spec then RollingOut", programmed(unobserved), map[string]cond{
-			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}}},
-		{"when old replicas still terminate then RollingOut", programmed(terminating), map[string]cond{
-			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut}}},
+			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonConflicted, ""}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonConflicted, ""}}, ""},
+		{"when a replica still serves the previous revision then RollingOut", observe(ready(2), serving("p-a", "r1"), serving("p-b", "r0")), map[string]cond{
+			v1alpha1.ConditionReady:       {"False", v1alpha1.ReasonRollingOut, "1/2 replicas serve revision r1; 1 serves r0"},
+			v1alpha1.ConditionReconciling: {"True", v1alpha1.ReasonRollingOut, ""}}, "1/2"},
+		{"when a replica is not ready then Unavailable, naming it", observe(ready(2), serving("p-a", "r1"), replica{pod: "p-b"}), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonUnavailable, "1/2 replicas serve revision r1; p-b is not ready"}}, "1/2"},
+		{"when a replica does not report then Unavailable, saying why", observe(ready(2), serving("p-a", "r1"), replica{pod: "p-b", ready: true, err: errors.New("connection refused")}), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonUnavailable, "1/2 replicas serve revision r1; p-b did not report: connection refused"}}, "1/2"},
+		{"when a replica is missing then Unavailable", observe(ready(2), serving("p-a", "r1")), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonUnavailable, "1/2 replicas serve revision r1"}}, "1/2"},
+		{"when replicas are being updated then RollingOut", observe(rolling, serving("p-a", "r1")), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut, ""}}, "1/2"},
+		{"when the Deployment controller has not seen the spec then RollingOut", observe(unobserved, serving("p-a", "r1")), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut, ""}}, "1/2"},
+		{"when old replicas still terminate then RollingOut", observe(terminating, both...), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut, "2/2 replicas serve revision r1; old replicas are still terminating"}}, "2/2"},
 		{"when the target Service is missing then Degraded TargetNotFound", withTarget, map[string]cond{
-			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonTargetNotFound}}},
-		{"when Redis does not answer then Degraded RedisUnreachable", withRedis, map[string]cond{
-			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable}}},
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonTargetNotFound, ""}}, "2/2"},
+		{"when Redis refuses a replica's password then Degraded in Redis's words", storeFails(report.CauseAuthentication, "WRONGPASS invalid username-password pair"), map[string]cond{
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisAuthenticationFailed, "replica p-b: WRONGPASS invalid username-password pair"},
+			v1alpha1.ConditionReady:    {"True", v1alpha1.ReasonAvailable, ""}}, "2/2"},
+		{"when a replica's TLS handshake fails then Degraded RedisTLSFailed", storeFails(report.CauseTLS, "tls: failed to verify certificate"), map[string]cond{
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisTLSFailed, "replica p-b: tls: failed to verify certificate"}}, "2/2"},
+		{"when Redis does not answer a replica in time then Degraded RedisUnreachable", storeFails(report.CauseTimeout, "context deadline exceeded"), map[string]cond{
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable, "replica p-b: context deadline exceeded"}}, "2/2"},
+		{"when no replica reports then the manager's probe speaks", probeOnly, map[string]cond{
+			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable, "dial tcp 10.0.0.1:6379: i/o timeout"}}, "0/2"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -125,16 +151,95 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 			st := computeStatus(p, c.obs, true, t0)
 			for typ, want := range c.want {
 				got := meta.FindStatusCondition(st.Conditions, typ)
-				if got == nil || got.Status != want.status || got.Reason != want.reason || got.ObservedGeneration != 3 {
-					t.Errorf("%s = %+v, want %s %s at generation 3", typ, got, want.status, want.reason)
+				if got == nil || got.Status != want.status || got.Reason != want.reason || got.ObservedGeneration != 3 || want.text != "" && got.Message != want.text {
+					t.Errorf("%s = %+v, want %s %s %q at generation 3", typ, got, want.status, want.reason, want.text)
 				}
 			}
 			if st.ObservedGeneration != 3 {
 				t.Errorf("observedGeneration = %d, want 3", st.ObservedGeneration)
 			}
-			if c.obs.programmed && (st.Enforcer == nil || st.Enforcer.Image != "img" || st.Enforcer.Replicas != 2 || st.Enforcer.ConfigRevision != "r1") {
-				t.Errorf("status.enforcer = %+v, want the image, replicas and revision observed", st.Enforcer)
+			readyCond := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionReady)
+			if wantReason := map[bool]string{true: "", false: readyCond.Reason}[readyCond.Status == metav1.ConditionTrue]; st.Reason != wantReason {
+				t.Errorf("status.reason = %q, want %q", st.Reason, wantReason)
+			}
+			if !c.obs.programmed {
+				return
+			}
+			if st.Enforcer == nil || st.Enforcer.Image != "img" || st.Enforcer.Replicas != 2 || st.Enforcer.ConfigRevision != "r1" ||
+				st.Enforcer.Ready != c.ready || st.Enforcer.Storage != "redis-standalone" {
+				t.Errorf("status.enforcer = %+v, want the image, replicas, revision and storage observed, ready %s", st.Enforcer, c.ready)
 			}
 		})
+	}
+}
+
+// Counts of the last minute become status.rules in spec order and the share limited; a shadow
+// rule's would-be refusals count for the rule, not for the policy's share.
+func TestComputeStatusWhenRulesDecidedThenCountsAndShares(t *testing.T) {
+	p := &v1alpha1.RateLimitPolicy{Spec: v1alpha1.RateLimitPolicySpec{Rules: []v1alpha1.Rule{
+		{Name: "login"}, {Name: "trial", Mode: v1alpha1.ModeShadow}, {Name: "api"}, {Name: "idle"}}}}
+	obs := observation{counts: map[string]report.Counters{
+		"api":   {Allowed: 90, Limited: 10, FailedOpen: 2, FailedClosed: 1},
+		"trial": {Allowed: 5, ShadowLimited: 15},
+		"login": {Allowed: 0, Limited: 0},
+	}}
+	st := computeStatus(p, obs, true, t0)
+	want := []v1alpha1.RuleStatus{
+		{Name: "login"},
+		{Name: "trial", Allowed: 5, Limited: 15, LimitedShare: "75.0%"},
+		{Name: "api", Allowed: 90, Limited: 10, Failed: 3, LimitedShare: "10.0%"},
+	}
+	if fmt.Sprint(st.Rules) != fmt.Sprint(want) {
+		t.Errorf("status.rules = %+v, want %+v", st.Rules, want)
+	}
+	if st.Limited != "10.0%" {
+		t.Errorf("status.limited = %q, want 10.0%% (the enforced rules' 10 of 100)", st.Limited)
+	}
+	if st := computeStatus(p, observation{}, true, t0); st.Rules != nil || st.Limited != "" {
+		t.Errorf("with no counts: rules %+v, limited %q; want none", st.Rules, st.Limited)
+	}
+}
+
+// The counts of the last minute: each pod's latest counters less those of its newest sample at
+// least a minute old, or less zero for a pod that started within the minute.
+func TestHistoryWhenReportsArriveThenCountsCoverTheLastMinute(t *testing.T) {
+	var h history
+	key := types.NamespacedName{Namespace: "ns", Name: "p"}
+	rule := func(r report.Rule) (string, bool) { return r.Name, r.Policy == "ns/p" }
+	rep := func(started time.Time, allowed uint64) *report.Report {
+		return &report.Report{Started: started, Rules: []report.Rule{
+			{Policy: "ns/p", Name: "r", Counters: report.Counters{Allowed: allowed}},
+			{Policy: "ns/other", Name: "r", Counters: report.Counters{Allowed: 1000}},
+		}}
+	}
+	old, fresh := t0.Add(-time.Hour), t0.Add(-10*time.Second)
+	steps := []struct {
+		at      time.Duration
+		reports map[types.UID]*report.Report
+		want    uint64
+	}{
+		// a: running for an hour, first seen with 100: its first sample is the baseline.
+		// b: started 10 s ago: all of its 7 fell within the minute.
+		{0, map[types.UID]*report.Report{"a": rep(old, 100), "b": rep(fresh, 7)}, 0 + 7},
+		{30 * time.Second, map[types.UID]*report.Report{"a": rep(old, 130), "b": rep(fresh, 17)}, 30 + 17},
+		// A minute after the first reports, what came before them has left the window.
+		{70 * time.Second, map[types.UID]*report.Report{"a": rep(old, 150), "b": rep(fresh, 27)}, 50 + 20},
+		// b restarts: its counters start again from zero, within the window.
+		{80 * time.Second, map[types.UID]*report.Report{"a": rep(old, 150), "b": rep(t0.Add(75*time.Second), 4)}, 50 + 4},
+		// a goes away: only b counts.
+		{90 * time.Second, map[types.UID]*report.Report{"b": rep(t0.Add(75*time.Second), 6)}, 6},
+		// Nothing more happens: b's 6 count until a minute has passed since them.
+		{120 * time.Second, map[types.UID]*report.Report{"b": rep(t0.Add(75*time.Second), 6)}, 6},
+		{200 * time.Second, map[types.UID]*report.Report{"b": rep(t0.Add(75*time.Second), 6)}, 0},
+	}
+	for _, s := range steps {
+		got := h.record(key, rule, s.reports, t0.Add(s.at))
+		if got["r"].Allowed != s.want || len(got) != 1 {
+			t.Errorf("at %v: counts %+v, want allowed %d of rule r only", s.at, got, s.want)
+		}
+	}
+	h.forget(key)
+	if len(h.policies) != 0 {
+		t.Errorf("forget left %d policies", len(h.policies))
 	}
 }

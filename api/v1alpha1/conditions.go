@@ -6,8 +6,8 @@ const (
 	ConditionAccepted = "Accepted"
 	// ConditionProgrammed tells whether the enforcer objects were applied with the current spec.
 	ConditionProgrammed = "Programmed"
-	// ConditionReady tells whether the enforcer runs the current config revision on all its
-	// replicas, so that traffic is limited exactly as the spec says.
+	// ConditionReady tells whether every desired enforcer replica is available and reports that
+	// it serves the current config revision, so that traffic is limited exactly as the spec says.
 	ConditionReady = "Ready"
 	// ConditionDegraded tells whether something outside the policy weakens enforcement, such as
 	// an unreachable Redis or a missing target Service. Ready can be True while Degraded is True.
@@ -45,10 +45,14 @@ const (
 
 // Reasons of the Ready condition.
 const (
-	// ReasonAvailable: all enforcer replicas run the current config revision.
+	// ReasonAvailable: every desired enforcer replica is ready and reports the current revision.
 	ReasonAvailable = "Available"
-	// ReasonRollingOut: the enforcer Deployment is rolling out the current config revision.
+	// ReasonRollingOut: the enforcer Deployment is rolling out, or a replica still reports an
+	// earlier revision.
 	ReasonRollingOut = "RollingOut"
+	// ReasonUnavailable: fewer replicas than desired are ready and report; the message names
+	// the first that does not, and why.
+	ReasonUnavailable = "Unavailable"
 	// ReasonNotProgrammed: the enforcer is not ready because it is not programmed.
 	ReasonNotProgrammed = "NotProgrammed"
 )
@@ -57,8 +61,16 @@ const (
 const (
 	// ReasonAsExpected: nothing weakens enforcement.
 	ReasonAsExpected = "AsExpected"
-	// ReasonRedisUnreachable: the configured Redis does not answer; rules apply their failure mode.
+	// ReasonRedisUnreachable: the configured Redis does not answer, as an enforcer replica sees
+	// it or, with no replica reporting, as the manager's probe does; rules apply their failure
+	// modes.
 	ReasonRedisUnreachable = "RedisUnreachable"
+	// ReasonRedisAuthenticationFailed: Redis refused an enforcer replica's credentials; the
+	// message is Redis's own.
+	ReasonRedisAuthenticationFailed = "RedisAuthenticationFailed"
+	// ReasonRedisTLSFailed: the TLS handshake of an enforcer replica with Redis failed, such as
+	// on a certificate that does not verify.
+	ReasonRedisTLSFailed = "RedisTLSFailed"
 	// ReasonTargetNotFound: the target Service does not exist, so the enforcer has nothing to front.
 	ReasonTargetNotFound = "TargetNotFound"
 )

@@ -14,8 +14,12 @@ import (
 // +kubebuilder:resource:shortName=rlp,categories=sluice
 // +kubebuilder:printcolumn:name="Target",type=string,JSONPath=`.spec.targetRef.name`
 // +kubebuilder:printcolumn:name="Rules",type=string,JSONPath=`.spec.rules[*].name`
-// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.enforcer.ready`
+// +kubebuilder:printcolumn:name="Limited",type=string,JSONPath=`.status.limited`
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.reason`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+// +kubebuilder:printcolumn:name="Storage",type=string,JSONPath=`.status.enforcer.storage`,priority=1
+// +kubebuilder:printcolumn:name="Revision",type=string,JSONPath=`.status.enforcer.configRevision`,priority=1
 type RateLimitPolicy struct {
 	metav1.TypeMeta `json:",inline"`
 	// metadata is the standard object metadata.
@@ -587,9 +591,54 @@ type RateLimitPolicyStatus struct {
 	// +kubebuilder:validation:MaxItems=8
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
 
-	// enforcer reports the enforcer Deployment.
+	// enforcer reports the enforcer Deployment and what its replicas report.
 	// +optional
 	Enforcer *EnforcerStatus `json:"enforcer,omitempty"`
+
+	// reason is the Ready condition's reason while Ready is not True, for kubectl get.
+	// +optional
+	// +kubebuilder:validation:MaxLength=64
+	Reason string `json:"reason,omitempty"`
+
+	// limited is the share of the enforced rules' decisions that refused, over the last minute
+	// and every replica, such as "12.5%"; empty with no decisions.
+	// +optional
+	// +kubebuilder:validation:MaxLength=8
+	Limited string `json:"limited,omitempty"`
+
+	// rules are each rule's decisions over the last minute, summed over the replicas that
+	// report them, in spec order.
+	// +optional
+	// +listType=map
+	// +listMapKey=name
+	// +kubebuilder:validation:MaxItems=32
+	Rules []RuleStatus `json:"rules,omitempty"`
+}
+
+// RuleStatus counts one rule's decisions over the last minute.
+type RuleStatus struct {
+	// name is the rule's name.
+	// +required
+	// +kubebuilder:validation:MaxLength=63
+	Name string `json:"name"`
+
+	// allowed counts the requests the rule admitted.
+	// +optional
+	Allowed int64 `json:"allowed"`
+
+	// limited counts the requests the rule refused (for a shadow rule: would have refused).
+	// +optional
+	Limited int64 `json:"limited"`
+
+	// failed counts the decisions the store could not make, after which the rule applied its
+	// failure mode.
+	// +optional
+	Failed int64 `json:"failed"`
+
+	// limitedShare is limited over allowed plus limited, such as "12.5%"; empty with neither.
+	// +optional
+	// +kubebuilder:validation:MaxLength=8
+	LimitedShare string `json:"limitedShare,omitempty"`
 }
 
 // EnforcerStatus reports the enforcer Deployment.
@@ -610,9 +659,21 @@ type EnforcerStatus struct {
 	// +kubebuilder:validation:MaxLength=512
 	Image string `json:"image,omitempty"`
 
-	// readyReplicas is the number of enforcer pods that are ready with the current config.
+	// readyReplicas is the number of enforcer pods that are ready and report that they serve
+	// configRevision.
 	// +optional
 	ReadyReplicas int32 `json:"readyReplicas,omitempty"`
+
+	// ready is readyReplicas/replicas, such as "2/2", for kubectl get.
+	// +optional
+	// +kubebuilder:validation:MaxLength=24
+	Ready string `json:"ready,omitempty"`
+
+	// storage is where the counters live: memory, redis-standalone, redis-sentinel,
+	// redis-cluster or managed-redis.
+	// +optional
+	// +kubebuilder:validation:MaxLength=32
+	Storage string `json:"storage,omitempty"`
 
 	// configRevision identifies the compiled config the enforcer runs.
 	// +optional

@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
@@ -42,6 +43,7 @@ func main() {
 		burst                  int
 		wh                     webhookFlags
 		probeInterval          time.Duration
+		reportInterval         time.Duration
 		lease                  leaseFlags
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
@@ -57,6 +59,8 @@ func main() {
 	flag.IntVar(&burst, "kube-api-burst", 100, "Burst of requests the manager may send to the API server.")
 	flag.DurationVar(&probeInterval, "redis-probe-interval", time.Minute, "How often the manager checks that each policy's storage.redis accepts connections "+
 		"and reports Degraded RedisUnreachable when not; 0 disables the probe. Policies naming the same Redis share a probe's result for half the interval, at most 10s.")
+	flag.DurationVar(&reportInterval, "report-interval", 10*time.Second, "How often each policy's enforcer replicas are asked for their reports (served revision, store health, "+
+		"counters), and the least time between two status writes that only move counts or messages.")
 	wh.bind(flag.CommandLine)
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
@@ -77,6 +81,7 @@ func main() {
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                 scheme,
+		Cache:                  cache.Options{ByObject: controllers.CacheByObject()},
 		WebhookServer:          server,
 		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
 		HealthProbeBindAddress: probeAddr,
@@ -98,12 +103,13 @@ func main() {
 	}
 	ctx := ctrl.SetupSignalHandler()
 	reconciler := &controllers.RateLimitPolicyReconciler{
-		Client:        mgr.GetClient(),
-		Scheme:        mgr.GetScheme(),
-		Recorder:      mgr.GetEventRecorder("sluice"),
-		Defaults:      defaults,
-		Workers:       workers,
-		ProbeInterval: probeInterval,
+		Client:         mgr.GetClient(),
+		Scheme:         mgr.GetScheme(),
+		Recorder:       mgr.GetEventRecorder("sluice"),
+		Defaults:       defaults,
+		Workers:        workers,
+		ProbeInterval:  probeInterval,
+		ReportInterval: reportInterval,
 	}
 	if probeInterval > 0 {
 		reconciler.ProbeRedis = controllers.SharedProbe(controllers.DialRedis, min(probeInterval/2, 10*time.Second), clock.RealClock{})

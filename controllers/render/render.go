@@ -12,6 +12,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -21,6 +22,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/enforcer/report"
 )
 
 // Ports of the enforcer container and Service.
@@ -37,6 +39,8 @@ const (
 	configDir  = "/etc/sluice"
 	PolicyFile = configDir + "/" + configKey
 	redisCADir = "/etc/sluice-redis-ca"
+	// redisCredentialsDir holds the files of storage.redis.credentialsSecretRef.
+	redisCredentialsDir = "/etc/sluice-redis-credentials"
 )
 
 // The enforcer's stop on SIGTERM: it serves on with /readyz failing for shutdownDelay, while
@@ -66,9 +70,13 @@ type Defaults struct {
 
 // Objects are the desired objects of one policy, in apply order.
 type Objects struct {
-	ConfigMap  *corev1.ConfigMap
-	Deployment *appsv1.Deployment
-	Service    *corev1.Service
+	ConfigMap *corev1.ConfigMap
+	// ServiceAccount, Role and RoleBinding let the enforcer watch its ConfigMap.
+	ServiceAccount *corev1.ServiceAccount
+	Role           *rbacv1.Role
+	RoleBinding    *rbacv1.RoleBinding
+	Deployment     *appsv1.Deployment
+	Service        *corev1.Service
 	// PDB is nil with one replica.
 	PDB *policyv1.PodDisruptionBudget
 	// Redis objects are nil without managedRedis.
@@ -80,7 +88,7 @@ type Objects struct {
 
 // All are the objects that exist for the policy.
 func (o *Objects) All() []client.Object {
-	objs := []client.Object{o.ConfigMap}
+	objs := []client.Object{o.ConfigMap, o.ServiceAccount, o.Role, o.RoleBinding}
 	if o.RedisService != nil {
 		objs = append(objs, o.RedisDeployment, o.RedisService)
 	}
@@ -116,6 +124,25 @@ func label(name string) string {
 // named name.
 func RedisName(name string) string { return label(name + "-redis") }
 
+// The label that every enforcer pod carries.
+const (
+	EnforcerPodLabelKey   = labelName
+	EnforcerPodLabelValue = "sluice-enforcer"
+)
+
+// PodLabels are the labels of the policy's enforcer pods, and the selector that finds them.
+func PodLabels(p *v1alpha1.RateLimitPolicy) map[string]string {
+	return map[string]string{labelName: EnforcerPodLabelValue, labelInstance: p.Name}
+}
+
+// PolicyOfPod is the name of the policy whose enforcer runs in a pod with these labels, or "".
+func PolicyOfPod(labels map[string]string) string {
+	if labels[labelName] != EnforcerPodLabelValue {
+		return ""
+	}
+	return labels[labelInstance]
+}
+
 // Replicas is the enforcer's replica count: the spec's, or 1 with memory storage and 2 otherwise.
 func Replicas(p *v1alpha1.RateLimitPolicy) int32 {
 	if p.Spec.Enforcer != nil && p.Spec.Enforcer.Replicas != nil {
@@ -134,10 +161,29 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	if err != nil {
 		return nil, err
 	}
-	sum := sha256.Sum256(config)
-	o := &Objects{Revision: hex.EncodeToString(sum[:8])}
+	o := &Objects{Revision: report.Revision(config)}
 	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: p.Name, labelManagedBy: "sluice"}
 
+	// The enforcer watches its ConfigMap through the API server and may read nothing else.
+	o.ServiceAccount = &corev1.ServiceAccount{
+		TypeMeta:                     metav1.TypeMeta{APIVersion: "v1", Kind: "ServiceAccount"},
+		ObjectMeta:                   meta(p, name, labels, nil),
+		AutomountServiceAccountToken: ptr.To(false),
+	}
+	o.Role = &rbacv1.Role{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "Role"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Rules: []rbacv1.PolicyRule{{
+			APIGroups: []string{""}, Resources: []string{"configmaps"}, ResourceNames: []string{name},
+			Verbs: []string{"get", "list", "watch"},
+		}},
+	}
+	o.RoleBinding = &rbacv1.RoleBinding{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "RoleBinding"},
+		ObjectMeta: meta(p, name, labels, nil),
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: p.Namespace, Name: name}},
+	}
 	o.ConfigMap = &corev1.ConfigMap{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
 		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
@@ -152,8 +198,8 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
 		"--shutdown-delay=" + shutdownDelay.String(),
 		"--shutdown-timeout=" + shutdownTimeout.String(),
+		"--configmap=" + p.Namespace + "/" + name,
 	}
-	var env []corev1.EnvVar
 	var volumes []corev1.Volume
 	mounts := []corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}
 	if s := p.Spec.Storage; s != nil && s.Redis != nil {
@@ -166,10 +212,23 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			args = append(args, "--redis-ca-file="+redisCADir+"/ca.crt")
 		}
 		if ref := s.Redis.CredentialsSecretRef; ref != nil {
-			env = append(env, secretEnv("REDIS_PASSWORD", ref.Name, ref.PasswordKey, v1alpha1.DefaultPasswordKey))
-			if ref.UsernameKey != "" {
-				env = append(env, secretEnv("REDIS_USERNAME", ref.Name, ref.UsernameKey, ""))
+			// Mounted rather than passed as environment: the kubelet updates a mounted Secret,
+			// and the enforcer reads the files at every new connection, so a fixed or rotated
+			// password takes effect without a restart.
+			key := ref.PasswordKey
+			if key == "" {
+				key = v1alpha1.DefaultPasswordKey
 			}
+			items := []corev1.KeyToPath{{Key: key, Path: "password"}}
+			args = append(args, "--redis-password-file="+redisCredentialsDir+"/password")
+			if ref.UsernameKey != "" {
+				items = append(items, corev1.KeyToPath{Key: ref.UsernameKey, Path: "username"})
+				args = append(args, "--redis-username-file="+redisCredentialsDir+"/username")
+			}
+			volumes = append(volumes, corev1.Volume{Name: "redis-credentials", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+				SecretName: ref.Name, Items: items,
+			}}})
+			mounts = append(mounts, corev1.VolumeMount{Name: "redis-credentials", MountPath: redisCredentialsDir, ReadOnly: true})
 		}
 	}
 	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
@@ -190,7 +249,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		resources = *e.Resources
 	}
 	replicas := Replicas(p)
-	podLabels := map[string]string{labelName: "sluice-enforcer", labelInstance: p.Name}
+	podLabels := PodLabels(p)
 	o.Deployment = &appsv1.Deployment{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
 		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
@@ -209,7 +268,9 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 				// mounted ConfigMap by the running pods, without a rollout.
 				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
 				Spec: corev1.PodSpec{
-					AutomountServiceAccountToken:  ptr.To(false),
+					// The token lets the enforcer watch its ConfigMap, all its Role allows.
+					ServiceAccountName:            name,
+					AutomountServiceAccountToken:  ptr.To(true),
 					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod / time.Second)),
 					SecurityContext:               restrictedPod(),
 					TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{
@@ -222,7 +283,6 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 						Name:  "enforcer",
 						Image: image,
 						Args:  args,
-						Env:   env,
 						Ports: []corev1.ContainerPort{
 							{Name: "proxy", ContainerPort: ProxyPort, Protocol: corev1.ProtocolTCP},
 							{Name: "check", ContainerPort: CheckPort, Protocol: corev1.ProtocolTCP},
@@ -389,15 +449,6 @@ func meta(p *v1alpha1.RateLimitPolicy, name string, labels, annotations map[stri
 			BlockOwnerDeletion: ptr.To(true),
 		}},
 	}
-}
-
-func secretEnv(name, secret, key, fallback string) corev1.EnvVar {
-	if key == "" {
-		key = fallback
-	}
-	return corev1.EnvVar{Name: name, ValueFrom: &corev1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
-		LocalObjectReference: corev1.LocalObjectReference{Name: secret}, Key: key,
-	}}}
 }
 
 func probe(path string, period int32) *corev1.Probe {

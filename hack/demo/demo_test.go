@@ -31,7 +31,8 @@ func TestDemoWhenRunTwiceThenEachRunReportsTheBurstAndStopsCleanlyOnCtrlC(t *tes
 			t.Fatal(err)
 		}
 		report := readUntil(t, out, "Ctrl-C stops everything.", 3*time.Minute, cmd)
-		for _, want := range []string{"5 passed, 3 refused", "429 Too Many Requests  1", `"per-client";q=5;w=5`, "Programmed   True", "kubectl get rlp"} {
+		for _, want := range []string{"5 passed, 3 refused", "429 Too Many Requests  1", `"per-client";q=5;w=5`, "Programmed   True", "Ready        True", "2/2 replicas serve revision",
+			"rule per-client over the last minute: 5 allowed, 3 limited (37.5%)", "kubectl get rlp: READY 2/2, LIMITED 37.5%", "kubectl get rlp"} {
 			if !strings.Contains(report, want) {
 				t.Errorf("run %d: report lacks %q:\n%s", run, want, report)
 			}

@@ -1,7 +1,9 @@
-// Command demo runs Sluice on this machine with no cluster (`make demo`): the test control plane,
-// a Redis, the manager with its webhook, the policy of config/samples/demo.yaml in front of a
-// small demo upstream, and the enforcer the controller rendered, run as a local process. It sends
-// a burst of traffic, reports what happened, and keeps everything running until Ctrl-C.
+// Command demo runs Sluice on this machine with no cluster (`make demo`): the test control plane
+// with the real kube-controller-manager, a Redis, the manager with its webhook, the policy of
+// config/samples/demo.yaml in front of a small demo upstream, and the enforcer pods the
+// ReplicaSet controller creates, run as local processes by test/local's kubelet stand-in. It waits
+// until the enforcers report Ready, sends a burst of traffic, shows the status the enforcers'
+// reports produce, and keeps everything running until Ctrl-C.
 package main
 
 import (
@@ -55,8 +57,8 @@ func run(ctx context.Context, dir string) error {
 		return err
 	}
 
-	step("Starting the control plane (kube-apiserver and etcd) with the RateLimitPolicy CRD")
-	env, err := testenv.Start(testenv.WithWebhooks())
+	step("Starting the control plane (kube-apiserver, etcd, kube-controller-manager) with the RateLimitPolicy CRD")
+	env, err := testenv.Start(testenv.WithWebhooks(), testenv.WithControllers())
 	if err != nil {
 		return err
 	}
@@ -80,7 +82,7 @@ func run(ctx context.Context, dir string) error {
 		return err
 	}
 	defer func() { _ = logFile.Close() }()
-	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logFile)
+	mgr, err := local.StartManager(ctx, env, managerBin, kubeconfig, logFile, "--report-interval=2s")
 	if err != nil {
 		return err
 	}
@@ -99,7 +101,6 @@ func run(ctx context.Context, dir string) error {
 	if err != nil {
 		return err
 	}
-	key := client.ObjectKeyFromObject(policy)
 	if err := waitProgrammed(ctx, env.Client, policy); err != nil {
 		return err
 	}
@@ -107,34 +108,54 @@ func run(ctx context.Context, dir string) error {
 		policy.Spec.DefaultFailureMode, *policy.Spec.Storage.Redis.Timeout)
 	detail("programmed by the controller: enforcer image %s, %d replicas (status.enforcer)", policy.Status.Enforcer.Image, policy.Status.Enforcer.Replicas)
 
-	step("Running the enforcer the controller rendered (no kubelet here: the demo plays its part)")
-	enforcer, err := local.RunEnforcer(ctx, env.Client, enforcerBin, key, "http://"+upstream.Addr, dir, logFile)
+	step("Running the enforcer pods (no kubelet here: a local stand-in runs each pod as a process)")
+	kubelet, err := local.StartKubelet(ctx, env.Client, env.Config, enforcerBin, local.KubeletOptions{
+		Namespace: namespace, Upstream: "http://" + upstream.Addr, Dir: filepath.Join(dir, "pods"), Log: logFile})
 	if err != nil {
 		return err
 	}
-	defer enforcer.Stop()
-	detail("enforcer %s", strings.Join(enforcer.Args, " "))
+	defer kubelet.Stop()
+	if err := waitStatus(ctx, env.Client, policy, "Ready", func(p *v1alpha1.RateLimitPolicy) bool {
+		return meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionReady)
+	}); err != nil {
+		return err
+	}
+	detail("%s", meta.FindStatusCondition(policy.Status.Conditions, v1alpha1.ConditionReady).Message)
+	pods, err := local.EnforcerPods(ctx, env.Client, namespace, policy.Name)
+	if err != nil || len(pods) == 0 {
+		return fmt.Errorf("no enforcer pod runs: %v", err)
+	}
+	for _, pod := range pods {
+		detail("pod %s at %s", pod.Name, pod.Status.PodIP)
+	}
+	proxy := local.PodURL(&pods[0], "proxy")
 
-	step("Sending a burst of 8 requests from one client (X-Client: demo-user)")
-	if err := burst(ctx, enforcer.ProxyURL, 8); err != nil {
+	step("Sending a burst of 8 requests from one client (X-Client: demo-user) to pod " + pods[0].Name)
+	if err := burst(ctx, proxy, 8); err != nil {
 		return err
 	}
 
-	step("The policy's status")
-	if err := env.Client.Get(ctx, key, policy); err != nil {
+	step("The policy's status, from the enforcers' reports")
+	if err := waitStatus(ctx, env.Client, policy, "the burst counted", func(p *v1alpha1.RateLimitPolicy) bool {
+		return len(p.Status.Rules) > 0 && p.Status.Rules[0].Limited > 0
+	}); err != nil {
 		return err
 	}
 	printConditions(policy)
-	detail("Ready stays False here: no Deployment controller or kubelet runs the enforcer Deployment; the demo runs it instead")
+	for _, r := range policy.Status.Rules {
+		detail("rule %s over the last minute: %d allowed, %d limited (%s), %d failed", r.Name, r.Allowed, r.Limited, r.LimitedShare, r.Failed)
+	}
+	detail("kubectl get rlp: READY %s, LIMITED %s", policy.Status.Enforcer.Ready, policy.Status.Limited)
 
 	fmt.Printf(`
 Sluice is running. Try:
   export KUBECONFIG=%s
-  kubectl get rlp            # or: kubectl get ratelimitpolicies -o yaml
+  kubectl get rlp -o wide    # or: kubectl get ratelimitpolicies -o yaml
   curl -i -H 'X-Client: me' %s/
+  kubectl delete rlp %s && kubectl get all,cm,sa  # the garbage collector removes its objects
 
 Ctrl-C stops everything.
-`, kubeconfig, enforcer.ProxyURL)
+`, kubeconfig, proxy, policy.Name)
 	<-ctx.Done()
 	step("Stopping")
 	return nil
@@ -194,17 +215,24 @@ func apply(ctx context.Context, k8s client.Client, redisAddr string) (*v1alpha1.
 }
 
 func waitProgrammed(ctx context.Context, k8s client.Client, p *v1alpha1.RateLimitPolicy) error {
-	deadline := time.Now().Add(30 * time.Second)
+	return waitStatus(ctx, k8s, p, "Programmed", func(p *v1alpha1.RateLimitPolicy) bool {
+		return meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed)
+	})
+}
+
+// waitStatus waits up to a minute until the policy's status satisfies done.
+func waitStatus(ctx context.Context, k8s client.Client, p *v1alpha1.RateLimitPolicy, what string, done func(*v1alpha1.RateLimitPolicy) bool) error {
+	deadline := time.Now().Add(time.Minute)
 	for {
 		if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
 			return err
 		}
-		if meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) {
+		if done(p) {
 			return nil
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			printConditions(p)
-			return fmt.Errorf("the policy was not Programmed within 30s")
+			return fmt.Errorf("the policy was not %s within a minute", what)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}

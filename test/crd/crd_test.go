@@ -115,9 +115,14 @@ func TestCRDWhenInstalledThenHasShortNameColumnsAndStatusSubresource(t *testing.
 	}
 	var columns []string
 	for _, c := range v.AdditionalPrinterColumns {
-		columns = append(columns, c.Name)
+		if c.Priority > 0 {
+			columns = append(columns, c.Name+" (wide)")
+		} else {
+			columns = append(columns, c.Name)
+		}
 	}
-	if diff := cmp.Diff([]string{"Target", "Rules", "Ready", "Age"}, columns); diff != "" {
+	want := []string{"Target", "Rules", "Ready", "Limited", "Reason", "Age", "Storage (wide)", "Revision (wide)"}
+	if diff := cmp.Diff(want, columns); diff != "" {
 		t.Errorf("printer columns (-want +got):\n%s", diff)
 	}
 }

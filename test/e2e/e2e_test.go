@@ -6,6 +6,7 @@ package e2e_test
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -15,6 +16,8 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,6 +27,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers"
+	"github.com/sluice-dev/sluice/enforcer/report"
 	"github.com/sluice-dev/sluice/test/local"
 	"github.com/sluice-dev/sluice/test/redistest"
 	"github.com/sluice-dev/sluice/test/testenv"
@@ -32,10 +37,11 @@ import (
 func TestEndToEnd(t *testing.T) {
 	ctx := context.Background()
 	c := startCluster(t)
-	env, k8s, dir := c.env, c.env.Client, c.dir
+	env, k8s := c.env, c.env.Client
 	redis := redistest.NewServer(t)
 	logs := newProcessLog(t)
-	mgr, err := local.StartManager(ctx, env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e", "--redis-probe-interval=300ms")
+	mgr, err := local.StartManager(ctx, env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:e2e",
+		"--redis-probe-interval=300ms", "--report-interval=500ms")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,6 +54,7 @@ func TestEndToEnd(t *testing.T) {
 	if err := k8s.Create(ctx, ns); err != nil {
 		t.Fatal(err)
 	}
+	c.runPods(t, ns.Name, upstream.URL, logs)
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "api"},
 		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
 	if err := k8s.Create(ctx, svc); err != nil {
@@ -88,15 +95,30 @@ func TestEndToEnd(t *testing.T) {
 		})
 	})
 
-	enforcer, err := local.RunEnforcer(ctx, k8s, c.enforcerBin, key, upstream.URL, dir, logs)
-	if err != nil {
-		t.Fatal(err)
+	var pods []corev1.Pod
+	t.Run("when the Deployment's pods run then Ready says every replica serves the revision", func(t *testing.T) {
+		p := waitReady(t, k8s, key, 60*time.Second)
+		if p.Status.Enforcer.Ready != "2/2" || p.Status.Enforcer.ReadyReplicas != 2 {
+			t.Errorf("status.enforcer = %+v, want ready 2/2", p.Status.Enforcer)
+		}
+		var err error
+		if pods, err = local.EnforcerPods(ctx, k8s, ns.Name, "api"); err != nil || len(pods) != 2 {
+			t.Fatalf("enforcer pods: %d, %v; want 2", len(pods), err)
+		}
+		for _, pod := range pods {
+			if r := fetchReport(t, &pod); r.Revision != p.Status.Enforcer.ConfigRevision {
+				t.Errorf("pod %s reports revision %s, status says %s", pod.Name, r.Revision, p.Status.Enforcer.ConfigRevision)
+			}
+		}
+	})
+	if len(pods) != 2 {
+		t.FailNow()
 	}
-	t.Cleanup(enforcer.Stop)
+	proxy := local.PodURL(&pods[0], "proxy")
 	// send makes one request and returns its status and header; the body is read and closed.
-	send := func(path, client string) reply {
+	send := func(base, path, client string) reply {
 		t.Helper()
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, enforcer.ProxyURL+path, nil)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
 		req.Header.Set("X-Client", client)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -110,7 +132,7 @@ func TestEndToEnd(t *testing.T) {
 		t.Helper()
 		ok := 0
 		for range n {
-			switch resp := send(path, client); resp.StatusCode {
+			switch resp := send(proxy, path, client); resp.StatusCode {
 			case http.StatusOK:
 				ok++
 			case http.StatusTooManyRequests:
@@ -133,22 +155,28 @@ func TestEndToEnd(t *testing.T) {
 		}
 	})
 
-	t.Run("when the limit changes then it is enforced within 2 seconds", func(t *testing.T) {
+	t.Run("when the limit changes then every replica enforces it within 2 seconds", func(t *testing.T) {
 		updated := time.Now()
 		update(t, k8s, key, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].FixedWindow.Limit = 7 })
-		for i := 0; ; i++ {
-			resp := send("/open/probe", fmt.Sprintf("probe-%d", i))
-			if strings.Contains(resp.Header.Get("RateLimit-Policy"), `"open";q=7;`) {
-				break
+		for _, pod := range pods {
+			for i := 0; ; i++ {
+				resp := send(local.PodURL(&pod, "proxy"), "/open/probe", fmt.Sprintf("probe-%s-%d", pod.Name, i))
+				if strings.Contains(resp.Header.Get("RateLimit-Policy"), `"open";q=7;`) {
+					break
+				}
+				if time.Since(updated) > 2*time.Second {
+					t.Fatalf("pod %s did not enforce the new limit within 2s; RateLimit-Policy: %s", pod.Name, resp.Header.Get("RateLimit-Policy"))
+				}
+				time.Sleep(10 * time.Millisecond)
 			}
-			if time.Since(updated) > 2*time.Second {
-				t.Fatalf("the new limit was not enforced within 2s; RateLimit-Policy: %s", resp.Header.Get("RateLimit-Policy"))
-			}
-			time.Sleep(20 * time.Millisecond)
 		}
-		t.Logf("the new limit was enforced %v after the update", time.Since(updated).Round(time.Millisecond))
+		t.Logf("every replica enforced the new limit %v after the update", time.Since(updated).Round(time.Millisecond))
 		if got := passes("/open/b", "bob", 9); got != 7 {
 			t.Errorf("%d of 9 passed, want exactly the new limit of 7", got)
+		}
+		p := waitReady(t, k8s, key, 10*time.Second)
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady); !strings.HasPrefix(c.Message, "2/2 replicas serve revision "+p.Status.Enforcer.ConfigRevision) {
+			t.Errorf("Ready message %q, want 2/2 replicas serving %s", c.Message, p.Status.Enforcer.ConfigRevision)
 		}
 	})
 
@@ -162,23 +190,26 @@ func TestEndToEnd(t *testing.T) {
 			return k8s.Update(ctx, p)
 		})
 		testenv.RequireInvalid(t, err, "spec.rules[0].match.path.value", "must be a valid RE2 regular expression")
-		time.Sleep(500 * time.Millisecond) // more than two reloads
 		if got := passes("/open/c", "carol", 9); got != 7 {
 			t.Errorf("%d of 9 passed, want the old limit of 7", got)
 		}
 	})
 
-	t.Run("when Redis dies then fail-open rules pass and fail-closed rules refuse", func(t *testing.T) {
+	t.Run("when Redis dies then fail-open rules pass, fail-closed rules refuse, and the replicas say why", func(t *testing.T) {
 		redis.Kill()
 		for i := range 5 {
-			if resp := send("/open/d", "dave"); resp.StatusCode != http.StatusOK {
+			if resp := send(proxy, "/open/d", "dave"); resp.StatusCode != http.StatusOK {
 				t.Errorf("fail-open request %d: status %d, want 200", i, resp.StatusCode)
 			}
-			if resp := send("/closed/d", "dave"); resp.StatusCode != http.StatusServiceUnavailable {
+			if resp := send(proxy, "/closed/d", "dave"); resp.StatusCode != http.StatusServiceUnavailable {
 				t.Errorf("fail-closed request %d: status %d, want 503", i, resp.StatusCode)
 			}
 		}
-		waitDegraded(t, k8s, key, metav1.ConditionTrue, v1alpha1.ReasonRedisUnreachable)
+		c := waitDegraded(t, k8s, key, metav1.ConditionTrue, v1alpha1.ReasonRedisUnreachable)
+		if !strings.HasPrefix(c.Message, "replica "+pods[0].Name+": ") && !strings.HasPrefix(c.Message, "replica "+pods[1].Name+": ") ||
+			!strings.Contains(c.Message, "connection refused") {
+			t.Errorf("Degraded message %q, want a replica's own error", c.Message)
+		}
 	})
 
 	t.Run("when Redis comes back then rules are decided again", func(t *testing.T) {
@@ -186,7 +217,7 @@ func TestEndToEnd(t *testing.T) {
 			t.Fatal(err)
 		}
 		waitFor(t, 5*time.Second, func() error {
-			if resp := send("/closed/probe", "recovery"); resp.StatusCode != http.StatusOK {
+			if resp := send(proxy, "/closed/probe", "recovery"); resp.StatusCode != http.StatusOK {
 				return fmt.Errorf("status %d", resp.StatusCode)
 			}
 			return nil
@@ -197,47 +228,82 @@ func TestEndToEnd(t *testing.T) {
 		waitDegraded(t, k8s, key, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
 	})
 
-	t.Run("when the policy is deleted then every owned object is left to the garbage collector", func(t *testing.T) {
+	t.Run("when the policy is deleted then the garbage collector removes every owned object", func(t *testing.T) {
 		if err := k8s.Get(ctx, key, policy); err != nil {
 			t.Fatal(err)
 		}
 		name := types.NamespacedName{Namespace: ns.Name, Name: "sluice-api"}
-		owned := []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}}
+		owned := []client.Object{&corev1.ConfigMap{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{},
+			&corev1.ServiceAccount{}, &rbacv1.Role{}, &rbacv1.RoleBinding{}}
 		for _, o := range owned {
 			if err := k8s.Get(ctx, name, o); err != nil {
 				t.Fatal(err)
-			}
-			ref := metav1.GetControllerOf(o)
-			if ref == nil || ref.UID != policy.UID || ref.BlockOwnerDeletion == nil || !*ref.BlockOwnerDeletion {
-				t.Errorf("%T %s: controller reference %+v, want the policy %s blocking owner deletion", o, name, ref, policy.UID)
 			}
 		}
 		if err := k8s.Delete(ctx, policy); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 10*time.Second, func() error {
-			if err := k8s.Get(ctx, key, &v1alpha1.RateLimitPolicy{}); !apierrors.IsNotFound(err) {
-				return fmt.Errorf("policy still there: %w", err)
+		waitFor(t, 60*time.Second, func() error {
+			for _, o := range owned {
+				if err := k8s.Get(ctx, name, o); !apierrors.IsNotFound(err) {
+					return fmt.Errorf("%T %s not collected: %v", o, name, err)
+				}
+			}
+			left, err := local.EnforcerPods(ctx, k8s, ns.Name, "api")
+			if err != nil || len(left) > 0 {
+				return fmt.Errorf("%d enforcer pods left (%v)", len(left), err)
 			}
 			return nil
 		})
 	})
 }
 
-// waitDegraded waits until the policy's status says what the manager's Redis probe saw.
-func waitDegraded(t *testing.T, k8s client.Client, key types.NamespacedName, want metav1.ConditionStatus, reason string) {
+// waitReady waits until the policy is Ready and returns it.
+func waitReady(t *testing.T, k8s client.Client, key types.NamespacedName, timeout time.Duration) *v1alpha1.RateLimitPolicy {
 	t.Helper()
-	waitFor(t, 10*time.Second, func() error {
+	p := &v1alpha1.RateLimitPolicy{}
+	waitFor(t, timeout, func() error {
+		if err := k8s.Get(context.Background(), key, p); err != nil {
+			return err
+		}
+		c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady)
+		if c == nil || c.Status != metav1.ConditionTrue || c.ObservedGeneration != p.Generation {
+			return fmt.Errorf("not Ready: %+v", c)
+		}
+		return nil
+	})
+	return p
+}
+
+// fetchReport reads an enforcer pod's report.
+func fetchReport(t *testing.T, pod *corev1.Pod) *report.Report {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	r, err := controllers.FetchReport(http.DefaultClient)(ctx, pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// waitDegraded waits until the policy's Degraded condition has the status and reason, and
+// returns it.
+func waitDegraded(t *testing.T, k8s client.Client, key types.NamespacedName, want metav1.ConditionStatus, reason string) *metav1.Condition {
+	t.Helper()
+	var c *metav1.Condition
+	waitFor(t, 15*time.Second, func() error {
 		p := &v1alpha1.RateLimitPolicy{}
 		if err := k8s.Get(context.Background(), key, p); err != nil {
 			return err
 		}
-		c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionDegraded)
+		c = meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionDegraded)
 		if c == nil || c.Status != want || c.Reason != reason {
 			return fmt.Errorf("Degraded = %+v, want %s %s", c, want, reason)
 		}
 		return nil
 	})
+	return c
 }
 
 type reply struct {
@@ -254,7 +320,7 @@ type cluster struct {
 
 func startCluster(t *testing.T) *cluster {
 	t.Helper()
-	env, err := testenv.Start(testenv.WithWebhooks())
+	env, err := testenv.Start(testenv.WithWebhooks(), testenv.WithControllers())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -268,6 +334,19 @@ func startCluster(t *testing.T) *cluster {
 		t.Fatal(err)
 	}
 	return c
+}
+
+// runPods runs the enforcer pods of a namespace, with upstream for their --upstream, until the
+// test ends.
+func (c *cluster) runPods(t *testing.T, namespace, upstream string, logs io.Writer) *local.Kubelet {
+	t.Helper()
+	k, err := local.StartKubelet(context.Background(), c.env.Client, c.env.Config, c.enforcerBin,
+		local.KubeletOptions{Namespace: namespace, Upstream: upstream, Dir: t.TempDir(), Log: logs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(k.Stop)
+	return k
 }
 
 func update(t *testing.T, k8s client.Client, key types.NamespacedName, change func(*v1alpha1.RateLimitPolicy)) {

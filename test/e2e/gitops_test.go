@@ -42,11 +42,13 @@ func TestGitOpsWhenAManifestIsAppliedAgainAndAgainThenEveryChangeLandsAndNothing
 		t.Run("when applied "+mode, func(t *testing.T) {
 			g := &gitops{t: t, c: c, mode: mode, ns: "gitops-" + mode, file: filepath.Join(t.TempDir(), "policy.yaml")}
 			g.kubectl("create", "namespace", g.ns)
+			c.runPods(t, g.ns, upstream.URL, logs)
 			g.kubectl("create", "service", "clusterip", "api", "--tcp=8080", "-n", g.ns)
 
 			// memory storage: one replica, no PodDisruptionBudget.
 			g.apply(g.manifest("Open", "memory: {}"), "created")
 			g.waitReplicas(1)
+			g.proxy(1) // settled: the pod runs and the status says so
 			// The same manifest again changes nothing: no write, no new generation.
 			before := g.versions()
 			want := "unchanged"
@@ -65,19 +67,14 @@ func TestGitOpsWhenAManifestIsAppliedAgainAndAgainThenEveryChangeLandsAndNothing
 			g.apply(g.manifest("Open", redis), "configured")
 			g.waitReplicas(2)
 			g.waitObject(&policyv1.PodDisruptionBudget{}, g.name(), true)
-			enforcer, err := local.RunEnforcer(ctx, c.env.Client, c.enforcerBin, types.NamespacedName{Namespace: g.ns, Name: "shop"}, upstream.URL, t.TempDir(), logs)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer enforcer.Stop()
-			g.waitStatus(enforcer.ProxyURL, http.StatusOK)
+			proxy := g.proxy(2)
+			g.waitStatus(proxy, http.StatusOK)
 			// defaultFailureMode Open -> Closed -> Open: the rule without its own failureMode
 			// follows, in the rendered config and in the enforcer's decisions.
 			g.apply(g.manifest("Closed", redis), "configured")
-			g.waitStatus(enforcer.ProxyURL, http.StatusServiceUnavailable)
+			g.waitStatus(proxy, http.StatusServiceUnavailable)
 			g.apply(g.manifest("Open", redis), "configured")
-			g.waitStatus(enforcer.ProxyURL, http.StatusOK)
-			enforcer.Stop()
+			g.waitStatus(proxy, http.StatusOK)
 
 			// managedRedis: its Deployment and Service appear; back to memory: they, and the
 			// PodDisruptionBudget, are deleted, and one replica runs again.
@@ -187,6 +184,17 @@ func (g *gitops) versions() map[string]string {
 		out[fmt.Sprintf("%T", o)] = o.GetResourceVersion()
 	}
 	return out
+}
+
+// proxy waits until the policy is Ready with n replicas and returns the proxy URL of one.
+func (g *gitops) proxy(n int) string {
+	g.t.Helper()
+	waitReady(g.t, g.c.env.Client, types.NamespacedName{Namespace: g.ns, Name: "shop"}, 30*time.Second)
+	pods, err := local.EnforcerPods(context.Background(), g.c.env.Client, g.ns, "shop")
+	if err != nil || len(pods) != n {
+		g.t.Fatalf("%d enforcer pods run (%v), want %d", len(pods), err, n)
+	}
+	return local.PodURL(&pods[0], "proxy")
 }
 
 // waitReplicas waits until the enforcer Deployment and status.enforcer both say n replicas, while

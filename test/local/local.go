@@ -1,13 +1,12 @@
-// Package local runs Sluice on one machine with no kubelet: the manager binary against the test
-// control plane, and the enforcer that the controller rendered, as a local process fed from the
-// rendered ConfigMap the way a kubelet would mount it. `make demo` and the end-to-end suite share
-// it, so the demo shows exactly what the suite proves.
+// Package local runs Sluice on one machine with no nodes: the manager binary against the test
+// control plane, and a kubelet stand-in (Kubelet) that runs the enforcer pods the ReplicaSet
+// controller creates as local processes. `make demo` and the end-to-end suite share it, so the
+// demo shows exactly what the suite proves.
 package local
 
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -16,20 +15,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/test/testenv"
 )
 
@@ -68,8 +61,16 @@ type Process struct {
 
 // Start starts bin with args; its output goes to log.
 func Start(name string, log io.Writer, bin string, args ...string) (*Process, error) {
+	return StartWithEnv(name, log, nil, bin, args...)
+}
+
+// StartWithEnv starts bin with args and, beside this process's environment, env.
+func StartWithEnv(name string, log io.Writer, env []string, bin string, args ...string) (*Process, error) {
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = log, log
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	// Its own process group keeps a Ctrl-C for the caller from reaching it first; it dies with
 	// the caller.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
@@ -195,126 +196,4 @@ func StartManager(ctx context.Context, env *testenv.Env, bin, kubeconfig string,
 		return nil, err
 	}
 	return p, nil
-}
-
-// Enforcer is the enforcer of one policy, run from its rendered Deployment and ConfigMap.
-type Enforcer struct {
-	*Process
-	// ProxyURL, CheckURL and AdminURL are where it listens.
-	ProxyURL, CheckURL, AdminURL string
-	// Args are the arguments it runs with: the rendered ones, with local paths and addresses.
-	Args   []string
-	stop   context.CancelFunc
-	synced chan struct{}
-}
-
-// RunEnforcer waits for the policy's rendered Deployment and ConfigMap, writes the ConfigMap's
-// files into dir, and runs the enforcer binary with the Deployment's arguments, its listen
-// addresses moved to free loopback ports and its upstream replaced by upstream (there is no
-// cluster DNS here). Like a kubelet, it keeps the files in step with the ConfigMap; the enforcer
-// reloads them every 200ms.
-func RunEnforcer(ctx context.Context, k8s client.Client, bin string, policy types.NamespacedName, upstream, dir string, log io.Writer) (*Enforcer, error) {
-	key := types.NamespacedName{Namespace: policy.Namespace, Name: render.Name(&v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Name: policy.Name}})}
-	dep := &appsv1.Deployment{}
-	if err := poll(ctx, 30*time.Second, func() error { return k8s.Get(ctx, key, dep) }); err != nil {
-		return nil, fmt.Errorf("the controller rendered no Deployment %s: %w", key, err)
-	}
-	if err := syncConfigMap(ctx, k8s, key, dir); err != nil {
-		return nil, err
-	}
-	e := &Enforcer{}
-	addrs := map[string]*string{"--listen": &e.ProxyURL, "--check-listen": &e.CheckURL, "--admin-listen": &e.AdminURL}
-	var c corev1.Container
-	for _, c = range dep.Spec.Template.Spec.Containers {
-		if c.Name == "enforcer" {
-			break
-		}
-	}
-	for _, env := range c.Env {
-		if env.ValueFrom != nil {
-			return nil, fmt.Errorf("the enforcer reads %s from a Secret; running it locally does not support that", env.Name)
-		}
-	}
-	for _, arg := range c.Args {
-		name, value, _ := strings.Cut(arg, "=")
-		switch {
-		case name == "--policy":
-			value = filepath.Join(dir, filepath.Base(value))
-		case name == "--upstream":
-			value = upstream
-		case addrs[name] != nil:
-			addr, err := FreeAddr()
-			if err != nil {
-				return nil, err
-			}
-			value, *addrs[name] = addr, "http://"+addr
-		}
-		e.Args = append(e.Args, name+"="+value)
-	}
-	e.Args = append(e.Args, "--reload-interval=200ms", "--shutdown-timeout=2s")
-	p, err := Start("enforcer "+policy.String(), log, bin, e.Args...)
-	if err != nil {
-		return nil, err
-	}
-	e.Process = p
-	if err := WaitHTTP(p, e.AdminURL+"/readyz", 30*time.Second); err != nil {
-		p.Stop()
-		return nil, err
-	}
-	syncCtx, cancel := context.WithCancel(ctx)
-	e.stop, e.synced = cancel, make(chan struct{})
-	go func() {
-		defer close(e.synced)
-		for syncCtx.Err() == nil {
-			_ = syncConfigMap(syncCtx, k8s, key, dir)
-			select {
-			case <-syncCtx.Done():
-			case <-time.After(200 * time.Millisecond):
-			}
-		}
-	}()
-	return e, nil
-}
-
-// Stop stops keeping the files in step and stops the enforcer.
-func (e *Enforcer) Stop() {
-	if e == nil {
-		return
-	}
-	e.stop()
-	<-e.synced
-	e.Process.Stop()
-}
-
-// syncConfigMap writes each key of the ConfigMap into dir, replacing files atomically.
-func syncConfigMap(ctx context.Context, k8s client.Client, key types.NamespacedName, dir string) error {
-	cm := &corev1.ConfigMap{}
-	if err := poll(ctx, 30*time.Second, func() error { return k8s.Get(ctx, key, cm) }); err != nil {
-		return fmt.Errorf("the controller rendered no ConfigMap %s: %w", key, err)
-	}
-	for name, data := range cm.Data {
-		path := filepath.Join(dir, name)
-		if old, err := os.ReadFile(path); err == nil && string(old) == data {
-			continue
-		}
-		tmp := path + ".tmp"
-		if err := os.WriteFile(tmp, []byte(data), 0o600); err != nil {
-			return err
-		}
-		if err := os.Rename(tmp, path); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func poll(ctx context.Context, timeout time.Duration, f func() error) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		err := f()
-		if err == nil || !apierrors.IsNotFound(err) || time.Now().After(deadline) || ctx.Err() != nil {
-			return errors.Join(err, ctx.Err())
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
 }
