@@ -57,7 +57,9 @@ func (e *Enforcer) checkedStore(err error) {
 
 // ping asks the store to answer within the time a decision has. When it does not, it asks again
 // with a second to spare, to learn why: the store's own error (a refused connection, a wrong
-// password), or, if it answers then, that it is slower than decisions allow.
+// password), or, if it answers then but late, that it is slower than decisions allow. A second
+// ping answered in time (a Cluster's other node, a connection that was being replaced) is a
+// store that answers.
 func (e *Enforcer) ping(ctx context.Context) error {
 	timeout := store.DefaultTimeout
 	if e.cfg.Redis != nil && e.cfg.Redis.Timeout > 0 {
@@ -75,8 +77,11 @@ func (e *Enforcer) ping(ctx context.Context) error {
 	if err := e.store.Ping(long); err != nil {
 		return err
 	}
-	return fmt.Errorf("%w: the store answered a ping in %v, more than the timeout of %v", context.DeadlineExceeded,
-		time.Since(start).Round(time.Millisecond), timeout)
+	if took := time.Since(start); took > timeout {
+		return fmt.Errorf("%w: the store answered a ping in %v, more than the timeout of %v", context.DeadlineExceeded,
+			took.Round(time.Millisecond), timeout)
+	}
+	return nil
 }
 
 // storeCause classifies a failed ping as one of report's causes.

@@ -124,8 +124,9 @@ func (e *enforcerProcess) sendTo(path, client string, n, conc int) map[int]int {
 	return counts
 }
 
-// switchover sends one request for client every 20 ms from the moment fail is called until ten
-// answers in a row are decisions again (200 or 429), for at most 60 s. It returns how long the
+// switchover sends one request for client every 20 ms from the moment fail is called until 25
+// answers in a row (half a second) are decisions again (200 or 429), for at most 60 s: a
+// Cluster's nodes may still be agreeing on the new slot map after the first decisions come back. It returns how long the
 // switch took and the answers meanwhile.
 func (e *enforcerProcess) switchover(t *testing.T, client string, fail func()) (time.Duration, map[int]int) {
 	t.Helper()
@@ -147,7 +148,7 @@ func (e *enforcerProcess) switchover(t *testing.T, client string, fail func()) (
 				streak = 0
 			}
 		}
-		if streak >= 10 {
+		if streak >= 25 {
 			return recovered, counts
 		}
 		time.Sleep(20 * time.Millisecond)

@@ -318,7 +318,7 @@ type cluster struct {
 	managerBin, enforcerBin string
 }
 
-func startCluster(t *testing.T) *cluster {
+func startCluster(t testing.TB) *cluster {
 	t.Helper()
 	env, err := testenv.Start(testenv.WithWebhooks(), testenv.WithControllers())
 	if err != nil {
@@ -338,7 +338,7 @@ func startCluster(t *testing.T) *cluster {
 
 // runPods runs the enforcer pods of a namespace, with upstream for their --upstream, until the
 // test ends.
-func (c *cluster) runPods(t *testing.T, namespace, upstream string, logs io.Writer) *local.Kubelet {
+func (c *cluster) runPods(t testing.TB, namespace, upstream string, logs io.Writer) *local.Kubelet {
 	t.Helper()
 	k, err := local.StartKubelet(context.Background(), c.env.Client, c.env.Config, c.enforcerBin,
 		local.KubeletOptions{Namespace: namespace, Upstream: upstream, Dir: t.TempDir(), Log: logs})

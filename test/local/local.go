@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -109,6 +110,32 @@ func (o *Output) String() string {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.buf.String()
+}
+
+// Usage is the CPU time the process has used and its peak resident memory in bytes, from
+// /proc (Linux).
+func (p *Process) Usage() (cpu time.Duration, peakRSS float64) {
+	pid := strconv.Itoa(p.cmd.Process.Pid)
+	if stat, err := os.ReadFile("/proc/" + pid + "/stat"); err == nil {
+		// After the command name in parentheses: state is field 3, utime and stime 14 and 15.
+		if i := bytes.LastIndexByte(stat, ')'); i > 0 {
+			f := strings.Fields(string(stat[i+1:]))
+			if len(f) > 12 {
+				utime, _ := strconv.ParseFloat(f[11], 64)
+				stime, _ := strconv.ParseFloat(f[12], 64)
+				cpu = time.Duration((utime + stime) / 100 * float64(time.Second)) // USER_HZ is 100 on Linux
+			}
+		}
+	}
+	if status, err := os.ReadFile("/proc/" + pid + "/status"); err == nil {
+		for _, line := range strings.Split(string(status), "\n") {
+			if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+				kb, _ := strconv.ParseFloat(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 64)
+				peakRSS = kb * 1024
+			}
+		}
+	}
+	return cpu, peakRSS
 }
 
 // Signal sends sig to the process.

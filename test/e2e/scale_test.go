@@ -1,0 +1,316 @@
+package e2e_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/test/local"
+)
+
+// After settling, a thousand idle policies cause no writes: the manager reads their replicas'
+// reports every interval (its default, 10s) and writes only what changed. 980 policies have
+// pods that no kubelet runs, as on a cluster short of nodes; 20 have enforcers that run and
+// report. The writes of every kind the manager writes are counted through watches for two
+// minutes, and the manager's own metrics show it kept reconciling meanwhile.
+func TestStatusWhenAThousandPoliciesIdleThenNothingIsWritten(t *testing.T) {
+	ctx := context.Background()
+	c := startCluster(t)
+	logs := newProcessLog(t)
+	metricsAddr, _ := local.FreeAddr()
+	mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:idle",
+		"--metrics-bind-address="+metricsAddr, "--kube-api-qps=200", "--kube-api-burst=400")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mgr.Stop)
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
+	t.Cleanup(upstream.Close)
+
+	cfg := rest.CopyConfig(c.env.Config)
+	cfg.QPS, cfg.Burst = -1, 0
+	k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	running, pending := makeNamespace(t, k8s, "idle-running-"), makeNamespace(t, k8s, "idle-pending-")
+	c.runPods(t, running, upstream.URL, logs)
+	created := time.Now()
+	populate(t, k8s, running, 20)
+	populate(t, k8s, pending, 980)
+
+	// Settled: every policy Programmed at its generation, the running ones Ready, and no policy
+	// written for three intervals.
+	waitFor(t, 10*time.Minute, func() error {
+		var list v1alpha1.RateLimitPolicyList
+		if err := k8s.List(ctx, &list); err != nil {
+			return err
+		}
+		programmed, ready := 0, 0
+		for _, p := range list.Items {
+			if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionProgrammed); c != nil && c.Status == metav1.ConditionTrue && p.Status.ObservedGeneration == p.Generation {
+				programmed++
+			}
+			if p.Namespace == running && meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionReady) {
+				ready++
+			}
+		}
+		if programmed != 1000 || ready != 20 {
+			return fmt.Errorf("%d of 1000 Programmed, %d of 20 running Ready", programmed, ready)
+		}
+		return nil
+	})
+	t.Logf("1000 Programmed and the 20 running Ready %v after the first create", time.Since(created).Round(time.Second))
+	quietFor(t, k8s, 30*time.Second, 5*time.Minute)
+	t.Logf("settled %v after the first create", time.Since(created).Round(time.Second))
+
+	before := scrapeSum(t, metricsAddr, `controller_runtime_reconcile_total{controller="ratelimitpolicy"`)
+	writes := countWrites(t, k8s, 2*time.Minute)
+	reconciles := scrapeSum(t, metricsAddr, `controller_runtime_reconcile_total{controller="ratelimitpolicy"`) - before
+	if len(writes) > 0 {
+		t.Errorf("writes in 2 minutes of 1000 idle policies: %v, want none", writes)
+	}
+	// Every policy is read again each interval: 12 rounds in 2 minutes; at least half must have run.
+	if reconciles < 1000*12/2 {
+		t.Errorf("%v reconciles in 2 minutes, want at least 6000: the manager stopped reading reports", reconciles)
+	}
+	t.Logf("2 minutes of 1000 idle policies: %v reconciles, 0 writes", reconciles)
+}
+
+func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
+	t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: prefix}}
+	if err := k8s.Create(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+	return ns.Name
+}
+
+// populate creates n memory-storage policies, each in front of a Service of its own, 8 at a time.
+func populate(t testing.TB, k8s client.Client, ns string, n int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := w; i < n; i += 8 {
+				name := "p" + strconv.Itoa(i)
+				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+					Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
+				p := &v1alpha1.RateLimitPolicy{
+					ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+					Spec: v1alpha1.RateLimitPolicySpec{
+						TargetRef: v1alpha1.TargetRef{Name: name, Port: 8080},
+						Rules: []v1alpha1.Rule{{Name: "per-client", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}},
+							FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}}},
+					},
+				}
+				for _, o := range []client.Object{svc, p} {
+					if err := k8s.Create(context.Background(), o); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
+// watched are the kinds the manager writes, counted by countWrites.
+var watched = []client.ObjectList{&v1alpha1.RateLimitPolicyList{}, &corev1.ConfigMapList{}, &corev1.ServiceList{}, &appsv1.DeploymentList{},
+	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}}
+
+// countWrites watches every kind the manager writes for d and returns the writes seen, as
+// "<kind> <namespace>/<name> <event>" with their counts.
+func countWrites(t testing.TB, k8s client.WithWatch, d time.Duration) map[string]int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	var mu sync.Mutex
+	writes := map[string]int{}
+	var wg sync.WaitGroup
+	for _, list := range watched {
+		// From now: the list's resourceVersion, so no initial events.
+		l := list.DeepCopyObject().(client.ObjectList)
+		if err := k8s.List(ctx, l, client.Limit(1)); err != nil {
+			t.Fatal(err)
+		}
+		w, err := k8s.Watch(ctx, list.DeepCopyObject().(client.ObjectList), &client.ListOptions{Raw: &metav1.ListOptions{ResourceVersion: l.GetResourceVersion()}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() {
+			defer w.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case ev, ok := <-w.ResultChan():
+					if !ok {
+						return
+					}
+					if ev.Type == watch.Bookmark || ev.Type == watch.Error {
+						continue
+					}
+					o := ev.Object.(client.Object)
+					mu.Lock()
+					writes[fmt.Sprintf("%T %s/%s %s", o, o.GetNamespace(), o.GetName(), ev.Type)]++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return writes
+}
+
+// quietFor waits until no policy is written for quiet, at most within timeout.
+func quietFor(t testing.TB, k8s client.WithWatch, quiet, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		var list v1alpha1.RateLimitPolicyList
+		if err := k8s.List(context.Background(), &list); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), quiet)
+		w, err := k8s.Watch(ctx, &v1alpha1.RateLimitPolicyList{}, &client.ListOptions{Raw: &metav1.ListOptions{ResourceVersion: list.ResourceVersion}})
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		var n atomic.Int64
+		for ev := range w.ResultChan() {
+			if ev.Type != watch.Bookmark {
+				n.Add(1)
+			}
+		}
+		cancel()
+		if n.Load() == 0 {
+			return
+		}
+	}
+	t.Fatalf("policies still written after %v", timeout)
+}
+
+// scrapeSum adds up the samples of the manager's metrics whose line starts with prefix.
+func scrapeSum(t testing.TB, addr, prefix string) float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	sum := 0.0
+	s := bufio.NewScanner(resp.Body)
+	for s.Scan() {
+		line := s.Text()
+		if !strings.HasPrefix(line, prefix) {
+			continue
+		}
+		fields := strings.Fields(line)
+		v, _ := strconv.ParseFloat(fields[len(fields)-1], 64)
+		sum += v
+	}
+	return sum
+}
+
+// BenchmarkPoliciesReachReady creates SLUICE_BENCH_POLICIES policies (default 100) at once with
+// the manager binary at its defaults (report collection every 10s) and kube-controller-manager,
+// the kubelet stand-in running one enforcer process per policy, and measures the time until
+// every policy is Programmed and until every one is Ready from its enforcer's report; then, at
+// steady state, the status writes per second over a minute. It reports the manager's CPU time and
+// peak resident memory over the whole run.
+//
+//	SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench PoliciesReachReady -benchtime 1x -timeout 60m ./test/e2e/
+func BenchmarkPoliciesReachReady(b *testing.B) {
+	n := 100
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
+		n = v
+	}
+	for b.Loop() {
+		ctx := context.Background()
+		c := startCluster(b)
+		logs := &local.Output{}
+		mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:bench")
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(mgr.Stop)
+		upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
+		b.Cleanup(upstream.Close)
+		cfg := rest.CopyConfig(c.env.Config)
+		cfg.QPS, cfg.Burst = -1, 0
+		k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ns := makeNamespace(b, k8s, "bench-")
+		c.runPods(b, ns, upstream.URL, logs)
+
+		start := time.Now()
+		populate(b, k8s, ns, n)
+		var programmed, ready time.Duration
+		for programmed == 0 || ready == 0 {
+			var list v1alpha1.RateLimitPolicyList
+			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
+				b.Fatal(err)
+			}
+			p, r := 0, 0
+			for _, pol := range list.Items {
+				if meta.IsStatusConditionTrue(pol.Status.Conditions, v1alpha1.ConditionProgrammed) {
+					p++
+				}
+				if meta.IsStatusConditionTrue(pol.Status.Conditions, v1alpha1.ConditionReady) {
+					r++
+				}
+			}
+			if p == n && programmed == 0 {
+				programmed = time.Since(start)
+			}
+			if r == n && ready == 0 {
+				ready = time.Since(start)
+			}
+			if time.Since(start) > 30*time.Minute {
+				b.Fatalf("after 30 minutes: %d of %d Programmed, %d Ready", p, n, r)
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		writes := countWrites(b, k8s, time.Minute)
+		total := 0
+		for _, w := range writes {
+			total += w
+		}
+		cpu, rss := mgr.Usage()
+		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")
+		b.ReportMetric(ready.Seconds(), "s-to-all-ready")
+		b.ReportMetric(float64(total)/60, "writes/s-steady")
+		b.ReportMetric(cpu.Seconds(), "manager-cpu-s")
+		b.ReportMetric(rss/(1<<20), "manager-MiB-peak-RSS")
+	}
+}
