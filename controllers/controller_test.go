@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"slices"
 	"strings"
@@ -23,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -594,4 +596,81 @@ type noWatch struct{ client.Client }
 
 func (noWatch) Watch(context.Context, client.ObjectList, ...client.ListOption) (watch.Interface, error) {
 	return nil, errors.New("the reconciler does not watch through its client")
+}
+
+// Under steady traffic the counts change at every report, and the status is written at most
+// once per report interval (1s here), yet it is written: the counts move. An annotation on the
+// enforcer Service changes every 100ms meanwhile, and each change brings a reconcile that sees
+// new counts: ten times the writes, if writes were not bounded.
+func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "busy")
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "busy", "api")
+	p.Spec.Enforcer.Replicas = ptr.To[int32](1)
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	runEnforcers(t, ns)
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	pods, err := local.EnforcerPods(ctx, k8s, ns, "busy")
+	if err != nil || len(pods) != 1 {
+		t.Fatalf("%d enforcer pods (%v), want 1", len(pods), err)
+	}
+	watcher, err := client.NewWithWatch(env.Config, client.Options{Scheme: k8s.Scheme()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := watcher.Watch(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace(ns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	const span = 6 * time.Second
+	var writes []time.Time
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ev := range w.ResultChan() {
+			if ev.Type == watch.Modified {
+				writes = append(writes, time.Now())
+			}
+		}
+	}()
+	start := time.Now()
+	ticked := make(chan struct{})
+	go func() {
+		defer close(ticked)
+		svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-busy"}}
+		for i := 0; time.Since(start) < span; i++ {
+			patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{"test.sluice.dev/tick":"%d"}}}`, i))
+			if err := k8s.Patch(ctx, svc, client.RawPatch(types.MergePatchType, patch)); err != nil {
+				t.Error(err)
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	for i := 0; time.Since(start) < span; i++ {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, local.PodURL(&pods[0], "proxy")+"/", nil)
+		req.Header.Set("X-Api-Key", fmt.Sprint("client-", i%50))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			_ = resp.Body.Close()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	<-ticked
+	w.Stop()
+	<-done
+	if len(writes) < 3 || len(writes) > int(span/time.Second)+1 {
+		t.Errorf("%d status writes in %v of traffic with a 1s interval, want between 3 and %d", len(writes), span, int(span/time.Second)+1)
+	}
+	for i := 1; i < len(writes); i++ {
+		if gap := writes[i].Sub(writes[i-1]); gap < 900*time.Millisecond {
+			t.Errorf("writes %d and %d %v apart, want at least the interval", i-1, i, gap)
+		}
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil || len(p.Status.Rules) != 1 || p.Status.Rules[0].Allowed == 0 {
+		t.Errorf("status.rules %+v (%v), want the traffic counted", p.Status.Rules, err)
+	}
 }

@@ -527,9 +527,10 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		})).
 		Watches(&corev1.Service{}, policiesTargeting(client.Object.GetName)).
 		// A policy that goes away frees its target for the next policy in line.
+		// Status writes do not: they would bring every policy of the target back at once.
 		Watches(&v1alpha1.RateLimitPolicy{}, policiesTargeting(func(o client.Object) string {
 			return o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name
-		})).
+		}), builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Complete(r)
 }
 

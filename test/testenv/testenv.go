@@ -128,6 +128,9 @@ func (e *Env) startControllers() error {
 		"--leader-elect=false",
 		"--secure-port=0",
 		"--use-service-account-credentials=false",
+		// A test creates a thousand Deployments at once; the default 20 requests per second
+		// would take minutes to give them their ReplicaSets and pods.
+		"--kube-api-qps=200", "--kube-api-burst=400",
 		// Collect the objects of a deleted policy at once rather than after discovery's resync.
 		"--concurrent-gc-syncs=5",
 		"-v=1",
