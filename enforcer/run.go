@@ -9,6 +9,7 @@ import (
 	"net/http/pprof"
 	"net/url"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -230,7 +231,7 @@ func storeName(cfg Config) string {
 	if cfg.Redis == nil {
 		return "memory"
 	}
-	return "redis-" + string(cfg.Redis.Mode)
+	return "redis-" + strings.ToLower(string(cfg.Redis.Mode))
 }
 
 // serveHTTP returns a function that runs a net/http server for h with limits against slow and

@@ -19,7 +19,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -239,7 +238,7 @@ func writeKubeconfig(t *testing.T, env *testenv.Env, path, server string) {
 		c.Server = server
 		c.TLSServerName = "localhost" // the serving certificate's name, not the forwarder's
 	}
-	if err := clientcmd.WriteToFile(clientcmdapi.Config(*cfg), path); err != nil {
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -302,4 +301,52 @@ func (c *cuttable) restore() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.down = false
+}
+
+// Each way a store can fail shows in the report with its cause and the store's own words.
+func TestEnforcerBinaryWhenTheStoreFailsThenTheReportSaysWhy(t *testing.T) {
+	closed, _ := local.FreeAddr()
+	cases := []struct {
+		name, cause, message string
+		flags                func(t *testing.T) []string
+	}{
+		{"when the password is wrong then authentication", report.CauseAuthentication, "WRONGPASS", func(t *testing.T) []string {
+			srv := redistest.NewServer(t)
+			if err := srv.Client(t).ConfigSet(context.Background(), "requirepass", "right").Err(); err != nil {
+				t.Fatal(err)
+			}
+			password := filepath.Join(t.TempDir(), "password")
+			if err := os.WriteFile(password, []byte("wrong"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			return []string{"--redis-url=redis://" + srv.Addr() + "/0", "--redis-password-file=" + password}
+		}},
+		{"when the certificate does not verify then tls", report.CauseTLS, "certificate signed by unknown authority", func(t *testing.T) []string {
+			return []string{"--redis-url=redis://" + redistest.NewTLSServer(t).Addr() + "/0", "--redis-tls"}
+		}},
+		{"when Redis does not answer in time then timeout", report.CauseTimeout, "timeout", func(t *testing.T) []string {
+			srv := redistest.NewServer(t)
+			srv.Pause()
+			t.Cleanup(srv.Resume)
+			return []string{"--redis-url=redis://" + srv.Addr() + "/0"}
+		}},
+		{"when nothing listens then unreachable", report.CauseUnreachable, "connection refused", func(t *testing.T) []string {
+			return []string{"--redis-url=redis://" + closed + "/0"}
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			e := startEnforcerWith(t, limitPolicy(3), c.flags(t)...)
+			var r report.Report
+			if !eventually(10*time.Second, func() bool {
+				r = readReport(t, e.admin)
+				return !r.Store.Connected
+			}) {
+				t.Fatalf("store %+v, want not connected", r.Store)
+			}
+			if r.Store.Cause != c.cause || !strings.Contains(r.Store.Message, c.message) || r.Store.Kind != "redis-standalone" {
+				t.Errorf("store %+v, want cause %s and a message with %q", r.Store, c.cause, c.message)
+			}
+		})
+	}
 }

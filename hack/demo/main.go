@@ -123,7 +123,7 @@ func run(ctx context.Context, dir string) error {
 	detail("%s", meta.FindStatusCondition(policy.Status.Conditions, v1alpha1.ConditionReady).Message)
 	pods, err := local.EnforcerPods(ctx, env.Client, namespace, policy.Name)
 	if err != nil || len(pods) == 0 {
-		return fmt.Errorf("no enforcer pod runs: %v", err)
+		return fmt.Errorf("no enforcer pod runs: %w", err)
 	}
 	for _, pod := range pods {
 		detail("pod %s at %s", pod.Name, pod.Status.PodIP)

@@ -22,6 +22,8 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -46,8 +48,7 @@ func TestEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(mgr.Stop)
-	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
-	t.Cleanup(upstream.Close)
+	upstream := okUpstream(t)
 
 	// A Service to front, and a policy with one fail-open and one fail-closed rule.
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "e2e-"}}
@@ -246,12 +247,15 @@ func TestEndToEnd(t *testing.T) {
 		waitFor(t, 60*time.Second, func() error {
 			for _, o := range owned {
 				if err := k8s.Get(ctx, name, o); !apierrors.IsNotFound(err) {
-					return fmt.Errorf("%T %s not collected: %v", o, name, err)
+					return fmt.Errorf("%T %s not collected: %w", o, name, err)
 				}
 			}
 			left, err := local.EnforcerPods(ctx, k8s, ns.Name, "api")
-			if err != nil || len(left) > 0 {
-				return fmt.Errorf("%d enforcer pods left (%v)", len(left), err)
+			if err != nil {
+				return err
+			}
+			if len(left) > 0 {
+				return fmt.Errorf("%d enforcer pods left", len(left))
 			}
 			return nil
 		})
@@ -334,6 +338,26 @@ func startCluster(t testing.TB) *cluster {
 		t.Fatal(err)
 	}
 	return c
+}
+
+// okUpstream serves "ok" to every request until the test ends.
+func okUpstream(t testing.TB) *httptest.Server {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
+	t.Cleanup(up.Close)
+	return up
+}
+
+// unthrottled is a client of the control plane that can watch and is not rate-limited, for
+// tests that create objects by the thousand.
+func (c *cluster) unthrottled(t testing.TB) client.WithWatch {
+	t.Helper()
+	cfg := rest.CopyConfig(c.env.Config)
+	cfg.QPS, cfg.Burst = -1, 0
+	k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k8s
 }
 
 // runPods runs the enforcer pods of a namespace, with upstream for their --upstream, until the

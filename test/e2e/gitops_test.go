@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -35,8 +34,7 @@ func TestGitOpsWhenAManifestIsAppliedAgainAndAgainThenEveryChangeLandsAndNothing
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { mgr.Stop() })
-	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
-	t.Cleanup(upstream.Close)
+	upstream := okUpstream(t)
 
 	for _, mode := range []string{"client-side", "server-side"} {
 		t.Run("when applied "+mode, func(t *testing.T) {

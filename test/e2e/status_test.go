@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"os/exec"
 	"strings"
 	"syscall"
@@ -40,8 +39,7 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 		t.Fatal(err)
 	}
 	t.Cleanup(mgr.Stop)
-	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
-	t.Cleanup(upstream.Close)
+	upstream := okUpstream(t)
 	const interval = 10 * time.Second // the manager's default --report-interval
 
 	// namespace makes a namespace whose enforcer pods run, with the Service api to front.
