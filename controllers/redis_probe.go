@@ -19,8 +19,9 @@ import (
 type RedisProbe func(ctx context.Context, addrs []string) error
 
 // DialRedis is the RedisProbe of the manager: a TCP connection to any address, within 2 seconds.
-// It sees Redis from the manager's network position, not the enforcers'; it cannot tell a wrong
-// password, which the enforcers' sluice_store_errors_total shows.
+// It sees Redis from the manager's network position, not the enforcers', and cannot tell a wrong
+// password: the controller uses it only for a policy none of whose replicas reports, whose own
+// reports say all of that.
 func DialRedis(ctx context.Context, addrs []string) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds the test control plane (kube-apiserver and etcd) and kubectl from Go modules, once per
-# machine, into a cache outside the repository, and prints the directory to use as
+# Builds the test control plane (kube-apiserver, etcd, kube-controller-manager) and kubectl from Go
+# modules, once per machine, into a cache outside the repository, and prints the directory to use as
 # KUBEBUILDER_ASSETS. setup-envtest cannot download here; the Go module proxy is the only source
-# of binaries. A preset KUBEBUILDER_ASSETS that holds all three wins.
+# of binaries. A preset KUBEBUILDER_ASSETS that holds all four wins.
 set -euo pipefail
 
 K8S_VERSION=1.37.2
@@ -35,7 +35,8 @@ tmp=$(mktemp -d "$dir/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 # Each binary that is missing is built and moved into place whole, so an interrupted build is never
 # mistaken for a cache, and a cache from before kubectl was added only builds kubectl
-# (kube-apiserver and etcd: 15-20 minutes on 2 cores; kubectl: about 3).
+# (kube-apiserver and etcd: 15-20 minutes on 2 cores; kubectl: about 3; kube-controller-manager,
+# after kube-apiserver has filled the module and build caches: under 2).
 for bin in "${BINARIES[@]}"; do
 	[[ -x "$dir/$bin" ]] && continue
 	echo "Building $bin $K8S_VERSION into $dir (once per machine)..." >&2

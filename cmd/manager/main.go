@@ -57,7 +57,7 @@ func main() {
 	flag.IntVar(&workers, "workers", 4, "Policies reconciled at once.")
 	flag.Float64Var(&qps, "kube-api-qps", 50, "Requests per second the manager may send to the API server.")
 	flag.IntVar(&burst, "kube-api-burst", 100, "Burst of requests the manager may send to the API server.")
-	flag.DurationVar(&probeInterval, "redis-probe-interval", time.Minute, "How often the manager checks that each policy's storage.redis accepts connections "+
+	flag.DurationVar(&probeInterval, "redis-probe-interval", time.Minute, "How often the manager checks, for a policy none of whose enforcer replicas reports, that its storage.redis accepts connections, "+
 		"and reports Degraded RedisUnreachable when not; 0 disables the probe. Policies naming the same Redis share a probe's result for half the interval, at most 10s.")
 	flag.DurationVar(&reportInterval, "report-interval", 10*time.Second, "How often each policy's enforcer replicas are asked for their reports (served revision, store health, "+
 		"counters), and the least time between two status writes that only move counts or messages.")
