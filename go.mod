@@ -9,7 +9,6 @@ require (
 	github.com/prometheus/client_golang v1.24.0
 	github.com/prometheus/client_model v0.6.2
 	github.com/redis/go-redis/v9 v9.23.0
-	github.com/sony/gobreaker/v2 v2.4.0
 	github.com/valyala/fasthttp v1.79.0
 	github.com/yuin/gopher-lua v1.1.1
 	golang.org/x/sync v0.24.0

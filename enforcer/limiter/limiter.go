@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
-	"github.com/sony/gobreaker/v2"
 
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
 	"github.com/sluice-dev/sluice/enforcer/policy"
@@ -62,7 +61,7 @@ type Result struct {
 type Limiter struct {
 	policies atomic.Pointer[[]*policy.Policy]
 	store    store.Store
-	breaker  *gobreaker.CircuitBreaker[bool]
+	breaker  *breaker
 	refusals *refusalCache
 	metrics  *Metrics
 	now      func() time.Time
@@ -99,18 +98,9 @@ func New(opts Options) *Limiter {
 	}
 	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now, log: opts.Log}
 	if opts.BreakerFailures > 0 {
-		l.breaker = gobreaker.NewCircuitBreaker[bool](gobreaker.Settings{
-			Name:        "store",
-			MaxRequests: 1,
-			Timeout:     opts.BreakerOpen,
-			ReadyToTrip: func(c gobreaker.Counts) bool { return c.ConsecutiveFailures >= opts.BreakerFailures },
-			// A fault is the decision's own, not the store's: it must not stop every other rule
-			// and client from reaching a store that answers.
-			IsSuccessful: func(err error) bool { return err == nil || errors.Is(err, store.ErrFault) },
-			OnStateChange: func(_ string, _, to gobreaker.State) {
-				opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[to != gobreaker.StateClosed])
-			},
-		})
+		l.breaker = &breaker{failures: opts.BreakerFailures, open: opts.BreakerOpen, now: opts.Now, changed: func(skipping bool) {
+			opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[skipping])
+		}}
 	}
 	if opts.RefusalCache {
 		l.refusals = newRefusalCache(100_000)
@@ -134,7 +124,7 @@ func (l *Limiter) Policies() []*policy.Policy { return *l.policies.Load() }
 // BreakerOpen reports whether decisions skip the store for now (open) or wait for one probe
 // (half-open).
 func (l *Limiter) BreakerOpen() bool {
-	return l.breaker != nil && l.breaker.State() != gobreaker.StateClosed
+	return l.breaker != nil && l.breaker.skipping()
 }
 
 // Counters are the decisions of each rule since the limiter was created.
@@ -197,7 +187,12 @@ func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algori
 	if l.breaker == nil {
 		return l.store.Decide(ctx, checks, out)
 	}
-	return l.breaker.Execute(func() (bool, error) { return l.store.Decide(ctx, checks, out) })
+	if err := l.breaker.allow(); err != nil {
+		return false, err
+	}
+	charged, err := l.store.Decide(ctx, checks, out)
+	l.breaker.done(err)
+	return charged, err
 }
 
 // failureModes decides when the store cannot: fail-open rules let the request through, and any
@@ -212,7 +207,7 @@ func (l *Limiter) failureModes(rules []matched, err error) Result {
 					"policy", m.policy, "rule", m.rule.Name, "failOpen", !m.rule.Enforce || m.rule.FailOpen)
 			}
 		}
-	case !errors.Is(err, gobreaker.ErrOpenState) && !errors.Is(err, gobreaker.ErrTooManyRequests):
+	case !errors.Is(err, errBreakerOpen):
 		l.metrics.storeErrors.WithLabelValues(causeUnavailable).Inc()
 	}
 	res := Result{Outcome: Allowed}

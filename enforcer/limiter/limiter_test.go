@@ -200,3 +200,45 @@ func TestLimiterWhenBehindProxiesThenTheClientIsTheFirstUntrustedAddress(t *test
 		t.Error("two clients share a key")
 	}
 }
+
+// The breaker, on the limiter's clock: open after 3 consecutive failures, a second later one probe
+// reaches the store; a failed probe opens it again for a second, a successful one closes it.
+func TestLimiterWhenTheStoreFailsAndRecoversThenTheBreakerOpensProbesAndCloses(t *testing.T) {
+	fs := &fakeStore{err: errors.New("dial tcp: connection refused")}
+	clk := newClock()
+	l := limiter.New(limiter.Options{Store: fs, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now})
+	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	ctx := context.Background()
+	decide := func(n int) {
+		t.Helper()
+		for range n {
+			l.Decide(ctx, request("/open", "192.0.2.1"))
+		}
+	}
+	step := func(what string, wantCalls int, wantOpen bool) {
+		t.Helper()
+		if got := fs.called(); got != wantCalls || l.BreakerOpen() != wantOpen {
+			t.Fatalf("%s: %d store calls, breaker open %v; want %d and %v", what, got, l.BreakerOpen(), wantCalls, wantOpen)
+		}
+	}
+	decide(2)
+	step("two failures", 2, false)
+	decide(5)
+	step("the third failure opens it; the next four skip the store", 3, true)
+	clk.Add(999 * time.Millisecond)
+	decide(3)
+	step("still open a millisecond before the second ends", 3, true)
+	clk.Add(time.Millisecond)
+	decide(3)
+	step("one probe after the second; it fails and opens the breaker again", 4, true)
+	clk.Add(time.Second)
+	fs.mu.Lock()
+	fs.err = nil
+	fs.mu.Unlock()
+	if res := l.Decide(ctx, request("/closed", "192.0.2.1")); res.Outcome != limiter.Allowed {
+		t.Fatalf("the successful probe: %v, want Allowed", res.Outcome)
+	}
+	step("the probe succeeds and closes it", 5, false)
+	decide(4)
+	step("closed: every decision reaches the store", 9, false)
+}
