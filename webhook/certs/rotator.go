@@ -30,6 +30,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	logf "sigs.k8s.io/controller-runtime/pkg/log"
 )
@@ -69,6 +70,8 @@ type Rotator struct {
 	CAValidity, CertValidity time.Duration
 	// Interval is how often the Secret and the configurations are checked. Default: 1 minute.
 	Interval time.Duration
+	// Clock decides when certificates are due and paces Start. Default the real clock.
+	Clock clock.Clock
 
 	current atomic.Pointer[tls.Certificate]
 }
@@ -109,9 +112,16 @@ func (r *Rotator) Start(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(wait):
+		case <-r.clock().After(wait):
 		}
 	}
+}
+
+func (r *Rotator) clock() clock.Clock {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
 }
 
 // retryAfterError is how soon a failed sync is tried again.
@@ -120,7 +130,7 @@ const retryAfterError = 2 * time.Second
 // Sync makes the Secret hold a CA and a serving certificate that are not due for renewal, serves
 // that certificate, and puts the CA bundle into the webhook configurations.
 func (r *Rotator) Sync(ctx context.Context) error {
-	secret, err := r.ensureSecret(ctx, time.Now())
+	secret, err := r.ensureSecret(ctx, r.clock().Now())
 	if err != nil {
 		return err
 	}

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	clocktesting "k8s.io/utils/clock/testing"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
@@ -135,7 +136,8 @@ func servedAndTrusted(ctx context.Context, k8s client.Client, addr, host string)
 	return cert, nil
 }
 
-func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFilledWithinSeconds(t *testing.T) {
+func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFilledOnTheRetry(t *testing.T) {
+	clk := clocktesting.NewFakeClock(time.Now())
 	env, err := testenv.Start()
 	if err != nil {
 		t.Fatal(err)
@@ -151,11 +153,15 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 		MutatingWebhooks:   []string{"late-mutating"},
 		ValidatingWebhooks: []string{"late-validating"},
 		Interval:           time.Hour, // only the retry after an error can fill them in time
+		Clock:              clk,
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	go func() { _ = rotator.Start(ctx) }()
-	time.Sleep(time.Second) // the first sync finds no configurations
+	// The first sync finds no configurations and waits on the clock for its retry.
+	for !clk.HasWaiters() {
+		time.Sleep(10 * time.Millisecond)
+	}
 
 	none := admissionregistrationv1.SideEffectClassNone
 	url := "https://127.0.0.1:1/never"
@@ -168,6 +174,7 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 		Webhooks: []admissionregistrationv1.ValidatingWebhook{{Name: "v.sluice.dev", ClientConfig: hook, SideEffects: &none, AdmissionReviewVersions: []string{"v1"}}}}); err != nil {
 		t.Fatal(err)
 	}
+	clk.Step(2 * time.Second) // the retry after an error
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var m admissionregistrationv1.MutatingWebhookConfiguration
@@ -178,7 +185,7 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the caBundle was not filled within 10s of the configurations appearing")
+			t.Fatal("the caBundle was not filled within 10s of the retry")
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
