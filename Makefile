@@ -74,6 +74,10 @@ redis-server: ## Make sure redis-server and redis-cli exist (the tests start the
 envtest: ## Build the test control plane (kube-apiserver, etcd) once per machine; print its path.
 	@hack/envtest.sh
 
+.PHONY: test-unit
+test-unit: ## Run the fast tier: every test that needs neither the control plane, nor redis-server, nor a built binary.
+	go test -short -count=1 ./...
+
 .PHONY: test
 test: redis-server ## Run all tests against a real API server and real Redis.
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" go test -race -count=1 -timeout 30m ./...

@@ -1,6 +1,10 @@
 package controllers_test
 
 import (
+	"flag"
+
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"errors"
 	"fmt"
@@ -59,6 +63,8 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	tier.RunFast(m)
 	os.Exit(run(m))
 }
 

@@ -1,6 +1,8 @@
 package enforcer_test
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"bufio"
 	"context"
 	"encoding/json"
@@ -157,6 +159,7 @@ var (
 )
 
 func standalone(t *testing.T) *store.RedisOptions {
+	tier.Needs(t, "redis-server")
 	redisOnce.Do(func() {
 		var err error
 		if sharedRedis, err = redistest.StartServer(); err != nil {
@@ -174,7 +177,11 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// stores are the stores to run a test on: memory, and Redis but in the fast tier.
 func stores(t *testing.T) map[string]*store.RedisOptions {
+	if tier.Fast() {
+		return map[string]*store.RedisOptions{"memory": nil}
+	}
 	return map[string]*store.RedisOptions{"memory": nil, "redis": standalone(t)}
 }
 
@@ -555,6 +562,7 @@ func TestProxyWhenFloodedThenRefusalCacheSparesRedis(t *testing.T) {
 // 200,000 distinct client keys against the memory store: the key count stays at its bound and the
 // heap does not grow with the flood.
 func TestEnforcerWhenMemoryStoreSees200kClientsThenMemoryStaysBounded(t *testing.T) {
+	tier.Needs(t, "time for 200,000 requests (a soak test)")
 	e := start(t, policyDoc("many", `    - name: per-key
       tokenBucket: {capacity: 5, refill: {tokens: 1, period: 1h}}
       key: [{type: Header, name: X-Api-Key}]

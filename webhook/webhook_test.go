@@ -1,6 +1,10 @@
 package webhook_test
 
 import (
+	"flag"
+
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"fmt"
 	"os"
@@ -61,6 +65,8 @@ func (w *warningRecorder) take() []string {
 // TestMain starts a real API server with the webhook configurations of config/webhook, and a
 // manager serving the webhook where they point.
 func TestMain(m *testing.M) {
+	flag.Parse()
+	tier.RunFast(m)
 	ctrl.SetLogger(logr.Discard())
 	env, err := testenv.Start(testenv.WithWebhooks())
 	if err != nil {
@@ -165,6 +171,9 @@ func TestWebhookCasesWhenValidatedWithoutTheAPIServerThenTheValidatorRejectsThem
 			}
 			_, err := (&webhook.Validator{}).ValidateCreate(context.Background(), p)
 			testenv.RequireInvalid(t, err, c.Field, c.Message)
+			if tier.Fast() {
+				return // the API server's part needs the full tier
+			}
 			if err := k8s.Create(context.Background(), testenv.ReadObjects(t, c.File)[0], client.DryRunAll); err == nil {
 				t.Fatal("accepted by the API server")
 			}
@@ -305,6 +314,7 @@ func TestPolicyWhenUpdatedToSomethingInvalidThenRejectedAndTheOldSpecStays(t *te
 }
 
 func TestPolicyWhenItDoesNotDecodeThenTheSchemaNamesEveryWrongField(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	u := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "ratelimit.sluice.dev/v1alpha1", "kind": "RateLimitPolicy",
 		"metadata": map[string]any{"name": "malformed", "namespace": "default"},
@@ -316,6 +326,7 @@ func TestPolicyWhenItDoesNotDecodeThenTheSchemaNamesEveryWrongField(t *testing.T
 }
 
 func TestWebhookConfigurationsWhenInstalledThenFailClosedOnCreateAndUpdateAndNeverSeeDeletes(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	ctx := context.Background()
 	var validating admissionregistrationv1.ValidatingWebhookConfigurationList
 	if err := k8s.List(ctx, &validating); err != nil {
@@ -353,6 +364,7 @@ func requireWarnings(t *testing.T, got, want []string) {
 // An upgrade from a version with a defaulting webhook leaves its configuration behind; the
 // manager deletes it at start, or every write of a policy would fail.
 func TestRemoveObsoleteWhenTheOldDefaultingConfigurationIsLeftThenItIsDeleted(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	ctx := context.Background()
 	none := admissionregistrationv1.SideEffectClassNone
 	url := "https://127.0.0.1:1/mutate-ratelimit-sluice-dev-v1alpha1-ratelimitpolicy"

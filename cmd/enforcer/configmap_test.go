@@ -1,6 +1,8 @@
 package main
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"encoding/json"
 	"fmt"
@@ -47,6 +49,7 @@ spec:
 // the watch unless the test cut it.
 func TestEnforcerBinaryWhenItsConfigMapChangesThenItServesItAndFallsBackToTheFileWithoutTheAPI(t *testing.T) {
 	ctx := context.Background()
+	tier.Needs(t, "the test control plane")
 	env, err := testenv.Start()
 	if err != nil {
 		t.Fatal(err)

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"fmt"
 	"io"
@@ -28,6 +30,7 @@ var (
 // binary builds the enforcer once per test run: tests of what users run start the real binary.
 func binary(t *testing.T) string {
 	t.Helper()
+	tier.Needs(t, "the built enforcer binary")
 	enforcerOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "sluice-enforcer-bin")
 		if err != nil {

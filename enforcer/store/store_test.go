@@ -1,6 +1,10 @@
 package store_test
 
 import (
+	"flag"
+
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"errors"
 	"fmt"
@@ -27,6 +31,8 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	tier.RunFast(m)
 	var err error
 	if standalone, err = redistest.StartServer(); err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -92,7 +98,16 @@ func newRedis(t *testing.T, opts store.RedisOptions, clock func() time.Time) sto
 	return s
 }
 
+// targets are the stores every algorithm runs on: memory, and, but in the fast tier, standalone
+// and Cluster Redis.
 func targets() []target {
+	if tier.Fast() {
+		return targetsAll()[:1]
+	}
+	return targetsAll()
+}
+
+func targetsAll() []target {
 	return []target{
 		{name: "memory", make: func(t *testing.T, clock func() time.Time) store.Store {
 			s := store.NewMemory(store.MemoryOptions{Now: clock, SweepInterval: -1})
@@ -228,6 +243,7 @@ func TestStoresWhenDrivenByTheSameScriptThenDecideIdentically(t *testing.T) {
 // 1,000 requests from 50 goroutines against a limit of 100 with negligible refill admit exactly
 // 100, on every store, for every algorithm, 20 times over.
 func TestStoresWhenFiftyGoroutinesRaceThenExactlyTheLimitPasses(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	const (
 		limit      = 100
 		requests   = 1000
@@ -341,6 +357,7 @@ func TestStoresWhenBurstRefusesThenSustainedIsNotChargedAndAMinuteAdmitsExactly1
 // On a Cluster, rules with different client keys live in different slots and are decided by
 // separate scripts; when one refuses, what the others charged is given back.
 func TestClusterWhenRulesOfDifferentClientKeysAndOneRefusesThenOthersAreRefunded(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Mode: store.Cluster, Addrs: cluster.Addrs()}, nil)
 	ctx := context.Background()
 	for _, l := range allKinds(100, time.Hour) {
@@ -378,6 +395,7 @@ func TestClusterWhenRulesOfDifferentClientKeysAndOneRefusesThenOthersAreRefunded
 // A decision that times out is not retried: the script may still run, and a replay would charge
 // twice. Redis is frozen with SIGSTOP so the script runs only after the client gave up.
 func TestRedisWhenDecisionTimesOutThenItIsNotReplayed(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	srv := redistest.NewServer(t)
 	s := newRedis(t, store.RedisOptions{Addrs: []string{srv.Addr()}, Timeout: 100 * time.Millisecond}, nil)
 	ctx := context.Background()
@@ -404,6 +422,7 @@ func TestRedisWhenDecisionTimesOutThenItIsNotReplayed(t *testing.T) {
 
 // EVALSHA falls back to EVAL when Redis has forgotten the script.
 func TestRedisWhenScriptCacheIsFlushedThenDecisionsStillWork(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	for _, tg := range targets()[1:] {
 		t.Run(tg.name, func(t *testing.T) {
 			s := tg.make(t, nil)
@@ -425,6 +444,7 @@ func TestRedisWhenScriptCacheIsFlushedThenDecisionsStillWork(t *testing.T) {
 
 // Scripts read Redis TIME in production: the store's clock does not matter.
 func TestRedisWhenNoClockIsSetThenDecisionsUseRedisTime(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
 	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 5, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}}
 	out := make([]algorithm.Decision, 1)
@@ -453,6 +473,7 @@ var scriptCalls = redistest.ScriptCalls
 
 // One decision is one round trip and one script, whatever the number of rules.
 func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil).(*store.Redis)
 	admin := standalone.Client(t)
 	var trips atomic.Int64
@@ -482,6 +503,7 @@ func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {
 // Concurrent decisions share pipelines: fewer round trips than decisions, and still exactly one
 // script each, never a duplicate, with the limit exact.
 func TestRedisWhenDecisionsAreConcurrentThenTheySharePipelinesAndEachRunsOneScript(t *testing.T) {
+	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil).(*store.Redis)
 	admin := standalone.Client(t)
 	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 1000, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}}

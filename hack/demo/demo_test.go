@@ -1,6 +1,8 @@
 package main_test
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"bufio"
 	"io"
 	"os/exec"
@@ -16,6 +18,7 @@ import (
 // The README's first command must work, and work again: run the demo twice, read its report, and
 // stop it with Ctrl-C each time.
 func TestDemoWhenRunTwiceThenEachRunReportsTheBurstAndStopsCleanlyOnCtrlC(t *testing.T) {
+	tier.Needs(t, "the test control plane and redis-server")
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "sluice-demo")
 	build := exec.Command("go", "build", "-o", bin, ".")

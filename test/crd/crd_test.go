@@ -4,6 +4,10 @@
 package crd_test
 
 import (
+	"flag"
+
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"errors"
 	"fmt"
@@ -28,6 +32,8 @@ import (
 var k8s client.Client
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	tier.RunFast(m)
 	env, err := testenv.Start()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -99,6 +105,7 @@ func TestInvalidPoliciesWhenCreatedThenRejectedNamingTheField(t *testing.T) {
 }
 
 func TestCRDWhenInstalledThenHasShortNameColumnsAndStatusSubresource(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	crd := &apiextensionsv1.CustomResourceDefinition{}
 	if err := k8s.Get(context.Background(), client.ObjectKey{Name: "ratelimitpolicies.ratelimit.sluice.dev"}, crd); err != nil {
 		t.Fatal(err)

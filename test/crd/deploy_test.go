@@ -1,6 +1,8 @@
 package crd_test
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"bytes"
 	"context"
 	"errors"
@@ -23,6 +25,7 @@ import (
 // What `make deploy` applies must be accepted by a real API server, in both certificate modes.
 // cert-manager's own kinds are left out: its CRDs are not installed here.
 func TestKustomizationsWhenAppliedThenTheAPIServerAcceptsEveryObject(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "sluice-system"}}
 	if err := k8s.Create(context.Background(), ns); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)

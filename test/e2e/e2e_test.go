@@ -4,6 +4,8 @@
 package e2e_test
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"fmt"
 	"io"
@@ -324,6 +326,7 @@ type cluster struct {
 
 func startCluster(t testing.TB) *cluster {
 	t.Helper()
+	tier.Needs(t, "the test control plane and the built binaries")
 	env, err := testenv.Start(testenv.WithWebhooks(), testenv.WithControllers())
 	if err != nil {
 		t.Fatal(err)

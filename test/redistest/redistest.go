@@ -3,6 +3,8 @@
 package redistest
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"crypto/tls"
 	"errors"
@@ -39,6 +41,7 @@ func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.It
 
 // NewServer starts a standalone Redis that is stopped when the test ends.
 func NewServer(t testing.TB) *Server {
+	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := StartServer()
 	if err != nil {
@@ -167,6 +170,7 @@ func (c *Cluster) Addrs() []string {
 
 // NewCluster starts a cluster of n masters that is stopped when the test ends.
 func NewCluster(t testing.TB, n int) *Cluster {
+	tier.Needs(t, "redis-server")
 	t.Helper()
 	c, err := StartCluster(n)
 	if err != nil {
@@ -180,6 +184,7 @@ func NewCluster(t testing.TB, n int) *Cluster {
 // over to its replica about two seconds after the master stops answering. It is stopped when the
 // test ends.
 func NewClusterWithReplicas(t testing.TB, n int) *Cluster {
+	tier.Needs(t, "redis-server")
 	t.Helper()
 	c, err := startCluster(n, 1, time.Second)
 	if err != nil {

@@ -1,6 +1,8 @@
 package redistest
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -23,6 +25,7 @@ import (
 // NewTLSServer starts a standalone Redis that accepts only TLS, with a self-signed certificate
 // for 127.0.0.1 and the name "redis.test"; it is stopped when the test ends.
 func NewTLSServer(t testing.TB) *Server {
+	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
 		cert, key, err := selfSigned(s.dir)
@@ -84,6 +87,7 @@ const SentinelMaster = "sluice-master"
 // NewReplica starts a replica of master and waits until it has synchronised; it is stopped when
 // the test ends.
 func NewReplica(t testing.TB, master *Server) *Server {
+	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, standalone([]string{"--replicaof", "127.0.0.1", strconv.Itoa(master.Port)}))
 	if err != nil {
@@ -106,6 +110,7 @@ func NewReplica(t testing.TB, master *Server) *Server {
 // one, and waits until it knows the master's address; it is stopped when the test ends. It holds
 // a master that does not answer for a second to be down, and then fails over to a replica.
 func NewSentinel(t testing.TB, master *Server) *Server {
+	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
 		conf := filepath.Join(s.dir, "sentinel.conf")

@@ -1,6 +1,8 @@
 package testenv
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"bufio"
 	"context"
 	"errors"
@@ -117,6 +119,7 @@ func Samples(t testing.TB) []string {
 // Namespace creates a namespace named after prefix, for one test.
 func Namespace(t testing.TB, c client.Client, prefix string) string {
 	t.Helper()
+	tier.Needs(t, "the test control plane")
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: prefix + "-"}}
 	if err := c.Create(context.Background(), ns); err != nil {
 		t.Fatal(err)

@@ -1,6 +1,8 @@
 package certs_test
 
 import (
+	"github.com/sluice-dev/sluice/test/tier"
+
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -32,6 +34,7 @@ import (
 // the rotator must replace that trust with its own, renew the serving certificate and its CA
 // while the manager runs, and never leave the API server unable to call the webhook.
 func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARestart(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	ctrl.SetLogger(logr.Discard())
 	env, err := testenv.Start(testenv.WithWebhooks())
 	if err != nil {
@@ -137,6 +140,7 @@ func servedAndTrusted(ctx context.Context, k8s client.Client, addr, host string)
 }
 
 func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFilledOnTheRetry(t *testing.T) {
+	tier.Needs(t, "the test control plane")
 	clk := clocktesting.NewFakeClock(time.Now())
 	env, err := testenv.Start()
 	if err != nil {
