@@ -169,6 +169,16 @@ func standalone(t *testing.T) *store.RedisOptions {
 	return &store.RedisOptions{Addrs: []string{sharedRedis.Addr()}, Timeout: 2 * time.Second}
 }
 
+// waitUntil polls cond every 10ms, for at most 10s, instead of guessing how long something takes.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10s", what)
+		}
+	}
+}
+
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if sharedRedis != nil {
@@ -480,7 +490,7 @@ func TestEnforcerWhenPolicyFileChangesThenReloadsWithoutLosingState(t *testing.T
 	up.delay.Store(int64(700 * time.Millisecond))
 	inflight := make(chan int)
 	go func() { inflight <- get(t, e.proxy+"/slow").StatusCode }() // the third: admitted, in flight
-	time.Sleep(100 * time.Millisecond)
+	waitUntil(t, "the third request at the upstream", func() bool { return up.hits.Load() == 3 })
 	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusTooManyRequests {
 		t.Fatalf("fourth request: %d, want 429", s)
 	}
@@ -507,12 +517,11 @@ func TestEnforcerWhenPolicyFileChangesThenReloadsWithoutLosingState(t *testing.T
 	if err := os.WriteFile(e.file, []byte(strings.Replace(doc(50), "window: 1h", "window: 0s", 1)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(500 * time.Millisecond)
+	waitUntil(t, "the invalid file refused", func() bool {
+		return metric(t, e.admin, `sluice_config_reloads_total{result="refused"}`) == 1
+	})
 	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusTooManyRequests {
 		t.Errorf("after an invalid file: %d, want 429 from the last good policy", s)
-	}
-	if n := metric(t, e.admin, `sluice_config_reloads_total{result="refused"}`); n != 1 {
-		t.Errorf("refused reloads = %v, want 1", n)
 	}
 }
 
@@ -524,7 +533,7 @@ func TestEnforcerWhenStoppedThenInFlightRequestsDrain(t *testing.T) {
 `), up, nil)
 	done := make(chan int)
 	go func() { done <- get(t, e.proxy+"/slow").StatusCode }()
-	time.Sleep(100 * time.Millisecond)
+	waitUntil(t, "the request at the upstream", func() bool { return up.hits.Load() == 1 })
 	e.stop()
 	if s := <-done; s != http.StatusOK {
 		t.Errorf("in-flight request at shutdown: %d, want 200", s)
