@@ -831,3 +831,32 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 		t.Errorf("request held at shutdown: %d, want 200 once its wait is over", s)
 	}
 }
+
+// An enforcer stopped right after it started stops: no server is left accepting because its
+// shutdown came before it began to serve.
+func TestEnforcerWhenStoppedAtOnceThenEveryServerStops(t *testing.T) {
+	doc := policyDoc("instant", `    - name: any
+      fixedWindow: {limit: 1, window: 1h}
+`)
+	file := filepath.Join(t.TempDir(), "policy.yaml")
+	if err := os.WriteFile(file, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 200 {
+		ctx, cancel := context.WithCancel(context.Background())
+		e, err := enforcer.Start(ctx, enforcer.Config{PolicyFile: file, Listen: "127.0.0.1:0", CheckListen: "127.0.0.1:0",
+			AdminListen: "127.0.0.1:0", ShutdownTimeout: time.Second, Log: logr.Discard()})
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		cancel()
+		done := make(chan error, 1)
+		go func() { done <- e.Wait() }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("start and stop %d: still running 10s after its context ended", i)
+		}
+	}
+}

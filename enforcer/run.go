@@ -271,7 +271,23 @@ const maxHeaderBytes = 64<<10 - 4096 - len("PRI * HTTP/2.0")
 func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
 		srv := newCheckServer(c, e.cfg.Log)
-		return e.run(func() error { return srv.Serve(ln) }, srv.ShutdownWithContext)
+		var shutdown atomic.Bool
+		serve := func() error {
+			err := srv.Serve(ln)
+			if shutdown.Load() {
+				return nil
+			}
+			return err
+		}
+		// fasthttp's shutdown knows only a listener that Serve has begun to accept on: one that
+		// came before would leave Serve accepting for ever. Closing the listener after it ends
+		// Serve however the two interleave.
+		return e.run(serve, func(ctx context.Context) error {
+			shutdown.Store(true)
+			err := srv.ShutdownWithContext(ctx)
+			_ = ln.Close()
+			return err
+		})
 	}
 }
 
