@@ -854,7 +854,10 @@ func TestEnforcerWhenStoppedAtOnceThenEveryServerStops(t *testing.T) {
 		done := make(chan error, 1)
 		go func() { done <- e.Wait() }()
 		select {
-		case <-done:
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("start and stop %d: %v", i, err)
+			}
 		case <-time.After(10 * time.Second):
 			t.Fatalf("start and stop %d: still running 10s after its context ended", i)
 		}
