@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -88,25 +87,7 @@ func TestEnforcerBinaryWhenItsConfigMapChangesThenItServesItAndFallsBackToTheFil
 	if err := os.WriteFile(file, []byte(limitPolicy(1)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
-	t.Cleanup(up.Close)
-	proxy, _ := local.FreeAddr()
-	admin, _ := local.FreeAddr()
-	log := &local.Output{}
-	p, err := local.Start("enforcer", log, binary(t), "--policy="+file, "--upstream="+up.URL, "--listen="+proxy, "--check-listen=",
-		"--admin-listen="+admin, "--shutdown-delay=0s", "--reload-interval=100ms", "--configmap="+ns+"/sluice-watched", "--kubeconfig="+kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		p.Stop()
-		if t.Failed() {
-			t.Logf("enforcer log:\n%s", log.String())
-		}
-	})
-	if err := local.WaitHTTP(p, "http://"+admin+"/readyz", 30*time.Second); err != nil {
-		t.Fatal(err)
-	}
+	proxy, admin := runBinary(t, "--policy="+file, "--reload-interval=100ms", "--configmap="+ns+"/sluice-watched", "--kubeconfig="+kubeconfig)
 	// serving waits until the report says the enforcer serves the policy with this limit, from
 	// source, and then checks that the proxy decides under it: limit passes of limit+1.
 	client := 0

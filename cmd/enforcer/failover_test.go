@@ -60,19 +60,28 @@ func startEnforcer(t *testing.T, storeFlags ...string) *enforcerProcess {
 // startEnforcerWith runs the enforcer binary with the policy document and flags given.
 func startEnforcerWith(t *testing.T, policy string, storeFlags ...string) *enforcerProcess {
 	t.Helper()
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
-	t.Cleanup(up.Close)
 	file := filepath.Join(t.TempDir(), "policy.yaml")
 	if err := os.WriteFile(file, []byte(policy), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	proxy, _ := local.FreeAddr()
-	admin, _ := local.FreeAddr()
+	proxy, admin := runBinary(t, append([]string{"--policy=" + file, "--redis-timeout=100ms"}, storeFlags...)...)
+	return &enforcerProcess{proxy: "http://" + proxy, admin: admin, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}}
+}
+
+// runBinary runs the enforcer binary with flags, in front of an upstream that answers "ok", on
+// loopback addresses with no check API and no shutdown delay, until the test ends, and waits
+// until it is ready. It returns the proxy's and the admin server's addresses; the test prints the
+// enforcer's log if it fails.
+func runBinary(t *testing.T, flags ...string) (proxy, admin string) {
+	t.Helper()
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
+	t.Cleanup(up.Close)
+	proxy, _ = local.FreeAddr()
+	admin, _ = local.FreeAddr()
 	log := &local.Output{}
 	p, err := local.Start("enforcer", log, binary(t), append([]string{
-		"--policy=" + file, "--upstream=" + up.URL, "--listen=" + proxy, "--check-listen=", "--admin-listen=" + admin,
-		"--shutdown-delay=0s", "--redis-timeout=100ms",
-	}, storeFlags...)...)
+		"--upstream=" + up.URL, "--listen=" + proxy, "--check-listen=", "--admin-listen=" + admin, "--shutdown-delay=0s",
+	}, flags...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +94,7 @@ func startEnforcerWith(t *testing.T, policy string, storeFlags ...string) *enfor
 	if err := local.WaitHTTP(p, "http://"+admin+"/readyz", 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	return &enforcerProcess{proxy: "http://" + proxy, admin: admin, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}}
+	return proxy, admin
 }
 
 // send sends n requests for client, conc at a time, and counts the answers by status.
