@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 
 	utiljson "k8s.io/apimachinery/pkg/util/json"
 	"k8s.io/apimachinery/pkg/util/validation/field"
@@ -20,18 +19,9 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/schema"
 )
 
-// LoadFile reads and compiles the RateLimitPolicy documents of a file: the file a user writes for
-// standalone mode, or the one the controller renders into the enforcer's ConfigMap. Both go
-// through here.
-func LoadFile(path string) ([]*policy.Policy, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	return Load(data)
-}
-
-// Load compiles one or more RateLimitPolicy documents, exactly as users apply them with kubectl.
+// Load compiles one or more RateLimitPolicy documents, exactly as users apply them with kubectl:
+// the file a user writes for standalone mode, and the one the controller renders into the
+// enforcer's ConfigMap, read from the mount or through the API server, all go through here.
 // Each is held to what the API server would hold it to (see Validate); unknown fields are
 // errors, so a typo is never silently dropped.
 func Load(data []byte) ([]*policy.Policy, error) {

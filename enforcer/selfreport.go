@@ -104,8 +104,8 @@ func storeCause(err error) string {
 	return report.CauseUnreachable
 }
 
-// Report is the replica's account of itself, as served at report.Path.
-func (e *Enforcer) Report() report.Report {
+// report is the replica's account of itself, as served at report.Path.
+func (e *Enforcer) report() report.Report {
 	s := e.served.Load()
 	r := report.Report{
 		Version:       report.Version,
@@ -128,7 +128,7 @@ func (e *Enforcer) Report() report.Report {
 
 func (e *Enforcer) serveReport(w http.ResponseWriter, _ *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(e.Report())
+	_ = json.NewEncoder(w).Encode(e.report())
 }
 
 func (e *Enforcer) now() time.Time {

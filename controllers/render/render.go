@@ -54,7 +54,8 @@ const (
 
 // Annotations and labels.
 const (
-	// RevisionAnnotation records the config revision the enforcer Deployment runs.
+	// RevisionAnnotation records the config revision rendered into the ConfigMap and the
+	// Deployment, for people reading them; readiness comes from what the replicas report.
 	RevisionAnnotation = "ratelimit.sluice.dev/config-revision"
 	labelName          = "app.kubernetes.io/name"
 	labelInstance      = "app.kubernetes.io/instance"
@@ -264,8 +265,8 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 				},
 			},
 			Template: corev1.PodTemplateSpec{
-				// The config revision is not in the template: a changed policy is reloaded from the
-				// mounted ConfigMap by the running pods, without a rollout.
+				// The config revision is not in the template: the running pods take a changed
+				// policy from their ConfigMap, watched through the API server, without a rollout.
 				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
 				Spec: corev1.PodSpec{
 					// The token lets the enforcer watch its ConfigMap, all its Role allows.
