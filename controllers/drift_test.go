@@ -215,11 +215,16 @@ func TestReconcileWhenAnObjectItDoesNotOwnIsInTheWayThenStalledAndLeftAlone(t *t
 	if err := k8s.Create(ctx, squatter); err != nil {
 		t.Fatal(err)
 	}
+	inTheWay := map[string]string{"reason": "ObjectInTheWay"}
+	before, _ := metric(t, "sluice_manager_reconcile_errors_total", inTheWay)
 	p := newPolicy(ns, "squat", "api")
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionStalled, metav1.ConditionTrue, v1alpha1.ReasonApplyFailed)
+	if after, _ := metric(t, "sluice_manager_reconcile_errors_total", inTheWay); after <= before {
+		t.Errorf("sluice_manager_reconcile_errors_total{reason=ObjectInTheWay} = %v, was %v: the failure is not counted", after, before)
+	}
 	if c := condition(t, p, v1alpha1.ConditionStalled); !strings.Contains(c.Message, "ConfigMap sluice-squat exists and is not owned by this policy") {
 		t.Errorf("Stalled message %q does not name the object in the way", c.Message)
 	}

@@ -103,14 +103,18 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		if apierrors.IsNotFound(err) {
 			r.mem.history.forget(req.NamespacedName)
 			r.mem.written.Delete(req.NamespacedName)
+			forgetStatus(req.NamespacedName)
+			return ctrl.Result{}, nil
 		}
-		return ctrl.Result{}, client.IgnoreNotFound(err)
+		return ctrl.Result{}, failed(errRead, err)
 	}
 	before := p.DeepCopy()
 	var obs observation
 	defer func() {
 		wait, err := r.writeStatus(ctx, before, p, obs, retErr == nil)
-		retErr = errors.Join(retErr, err)
+		if err != nil {
+			retErr = errors.Join(retErr, failed(errStatus, err))
+		}
 		if wait > 0 && (res.RequeueAfter == 0 || wait < res.RequeueAfter) {
 			res.RequeueAfter = wait
 		}
@@ -123,7 +127,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	}
 	other, err := r.olderPolicyOnTarget(ctx, p)
 	if err != nil {
-		return ctrl.Result{}, err
+		return ctrl.Result{}, failed(errRead, err)
 	}
 	if other != "" {
 		obs.conflictsWith = other
@@ -132,7 +136,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 
 	objs, err := render.Enforcer(p, r.Defaults)
 	if err != nil {
-		return ctrl.Result{}, err
+		return ctrl.Result{}, failed(errRender, err)
 	}
 	if err := r.apply(ctx, p, objs); err != nil {
 		obs.applyErr = err
@@ -142,12 +146,13 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 			// Final until someone removes the object, which no event of ours announces: look
 			// again now and then, without the error backoff.
 			obs.stalled = true
+			_ = failed(errInTheWay, err)
 			return ctrl.Result{RequeueAfter: stalledRecheck}, nil
 		case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
 			obs.stalled = true // only a change of the spec, or of the manager, can fix it
-			return ctrl.Result{}, reconcile.TerminalError(err)
+			return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
 		}
-		return ctrl.Result{}, err
+		return ctrl.Result{}, failed(errApply, err)
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
 	obs.image = objs.Deployment.Spec.Template.Spec.Containers[0].Image
@@ -155,17 +160,20 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 
 	dep := &appsv1.Deployment{}
 	if err := r.Get(ctx, client.ObjectKeyFromObject(objs.Deployment), dep); err != nil {
-		return ctrl.Result{}, client.IgnoreNotFound(err)
+		if apierrors.IsNotFound(err) {
+			return ctrl.Result{}, nil
+		}
+		return ctrl.Result{}, failed(errRead, err)
 	}
 	obs.deployment = dep
 	target := &corev1.Service{}
 	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
 	obs.targetMissing = apierrors.IsNotFound(err)
 	if err := client.IgnoreNotFound(err); err != nil {
-		return ctrl.Result{}, err
+		return ctrl.Result{}, failed(errRead, err)
 	}
 	if err := r.readReports(ctx, p, &obs); err != nil {
-		return ctrl.Result{}, err
+		return ctrl.Result{}, failed(errRead, err)
 	}
 	// The manager's own probe of Redis speaks only when no replica does.
 	reported := slices.ContainsFunc(obs.pods, func(r replica) bool { return r.report != nil })
@@ -218,6 +226,9 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 			ctx, cancel := context.WithTimeout(ctx, reportTimeout)
 			defer cancel()
 			obs.pods[i].report, obs.pods[i].err = fetch(ctx, pod)
+			if obs.pods[i].err != nil {
+				reportFailures.WithLabelValues(reportFailureReason(obs.pods[i].err)).Inc()
+			}
 		})
 	}
 	wg.Wait()
@@ -431,6 +442,7 @@ func firstDifference(got, want any, path string) (string, bool) {
 func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool) (time.Duration, error) {
 	now := r.clock().Now()
 	p.Status = computeStatus(before, obs, reconciled, now)
+	exportStatus(client.ObjectKeyFromObject(p), &p.Status)
 	if equality.Semantic.DeepEqual(before.Status, p.Status) {
 		return 0, nil
 	}

@@ -3,6 +3,7 @@ package controllers
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -44,14 +45,18 @@ func FetchReport(c *http.Client) ReportFetcher {
 		}
 		defer func() { _ = resp.Body.Close() }()
 		if resp.StatusCode != http.StatusOK {
-			return nil, fmt.Errorf("GET %s: %s", url, resp.Status)
+			return nil, &reportError{reportStatus, fmt.Errorf("GET %s: %s", url, resp.Status)}
 		}
 		var r report.Report
 		if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&r); err != nil {
-			return nil, fmt.Errorf("GET %s: %w", url, err)
+			var ne net.Error
+			if errors.As(err, &ne) {
+				return nil, fmt.Errorf("GET %s: %w", url, err) // the body was cut off
+			}
+			return nil, &reportError{reportInvalid, fmt.Errorf("GET %s: %w", url, err)}
 		}
 		if r.Version != report.Version {
-			return nil, fmt.Errorf("GET %s: report version %q, want %q", url, r.Version, report.Version)
+			return nil, &reportError{reportInvalid, fmt.Errorf("GET %s: report version %q, want %q", url, r.Version, report.Version)}
 		}
 		return &r, nil
 	}

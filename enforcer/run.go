@@ -141,6 +141,9 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	e.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sluice_config_reloads_total", Help: "Policy file reloads by result (applied, refused).",
 	}, []string{"result"})
+	for _, result := range []string{"applied", "refused"} {
+		e.reloads.WithLabelValues(result) // at zero from the start: the first refusal is an increase
+	}
 	reg.MustRegister(e.reloads)
 
 	live := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }

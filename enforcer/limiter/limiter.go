@@ -116,6 +116,7 @@ func New(opts Options) *Limiter {
 func (l *Limiter) SetPolicies(ps []*policy.Policy) {
 	l.policies.Store(&ps)
 	l.refusals.clear()
+	l.metrics.serve(ps)
 }
 
 // Policies are the policies in force.

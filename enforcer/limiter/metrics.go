@@ -4,6 +4,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/sluice-dev/sluice/enforcer/policy"
 	"github.com/sluice-dev/sluice/enforcer/report"
 )
 
@@ -30,6 +31,7 @@ type Metrics struct {
 	storeErrors  *prometheus.CounterVec
 	cacheHits    prometheus.Counter
 	breakerOpen  prometheus.Gauge
+	policyInfo   *prometheus.GaugeVec
 }
 
 // NewMetrics creates the metrics and registers them with reg, if reg is not nil.
@@ -56,11 +58,44 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "sluice_store_breaker_open",
 			Help: "1 while the store circuit breaker is open or probing, 0 while closed.",
 		}),
+		policyInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "sluice_enforcer_policy_info",
+			Help: "1 for each policy the enforcer serves: joins its per-pod series (store latency, breaker, reloads) to policies.",
+		}, []string{"policy"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.breakerOpen)
+		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.breakerOpen, m.policyInfo)
+	}
+	for _, cause := range []string{causeUnavailable, causeFault} {
+		m.storeErrors.WithLabelValues(cause)
 	}
 	return m
+}
+
+// results are the values of the result label.
+var results = []string{resultAllowed, resultLimited, resultShadowLimited, resultFailedOpen, resultFailedClosed}
+
+// serve records the policies in force: sluice_enforcer_policy_info names them; their rules'
+// decision series exist at zero, so that an alert on increase() sees a rule's first
+// failed_closed decision rather than the series' birth; and the series of rules no longer in
+// force are dropped, so that dashboards do not show them.
+func (m *Metrics) serve(ps []*policy.Policy) {
+	keep := map[RuleKey]bool{}
+	m.policyInfo.Reset()
+	for _, p := range ps {
+		m.policyInfo.WithLabelValues(p.ID).Set(1)
+		for i := range p.Rules {
+			keep[RuleKey{p.ID, p.Rules[i].Name}] = true
+			for _, res := range results {
+				m.decisions.WithLabelValues(p.ID, p.Rules[i].Name, res)
+			}
+		}
+	}
+	for k := range m.Counters() {
+		if !keep[k] {
+			m.decisions.DeletePartialMatch(prometheus.Labels{"policy": k.Policy, "rule": k.Rule})
+		}
+	}
 }
 
 func (m *Metrics) decision(policy, rule, result string) {

@@ -1,0 +1,134 @@
+package controllers
+
+import (
+	"errors"
+	"net"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+)
+
+// Reasons a reconcile failed, the values of sluice_manager_reconcile_errors_total's reason label.
+const (
+	// errRead: reading the policy's objects, its target or its pods from the API server.
+	errRead = "ReadFailed"
+	// errRender: the policy could not be rendered into enforcer objects.
+	errRender = "RenderFailed"
+	// errApply: the API server did not take an enforcer object; retried with backoff.
+	errApply = "ApplyFailed"
+	// errRejected: the API server refused an enforcer object as invalid; no retry helps.
+	errRejected = "ApplyRejected"
+	// errInTheWay: an object the policy needs exists and belongs to someone else.
+	errInTheWay = "ObjectInTheWay"
+	// errStatus: the status could not be written.
+	errStatus = "StatusWriteFailed"
+)
+
+// Reasons a report could not be read, the values of sluice_manager_report_failures_total's
+// reason label.
+const (
+	// reportTimeoutReason: the enforcer did not answer within reportTimeout.
+	reportTimeoutReason = "timeout"
+	// reportUnreachable: no connection to the pod's admin port.
+	reportUnreachable = "unreachable"
+	// reportStatus: the admin port answered with a status other than 200.
+	reportStatus = "http_status"
+	// reportInvalid: the body was not a report of the version the manager reads.
+	reportInvalid = "invalid"
+)
+
+// The manager's metrics, beside controller-runtime's own (reconcile totals, latencies, work
+// queues), on the same endpoint. Per-policy series carry the policy label as the enforcers'
+// metrics do: "namespace/name".
+var (
+	reconcileErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "sluice_manager_reconcile_errors_total",
+		Help: "Reconciles of RateLimitPolicies that failed, by reason (ReadFailed, RenderFailed, ApplyFailed, ApplyRejected, ObjectInTheWay, StatusWriteFailed).",
+	}, []string{"reason"})
+	reportFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "sluice_manager_report_failures_total",
+		Help: "Enforcer reports the manager could not read, by reason (timeout, unreachable, http_status, invalid).",
+	}, []string{"reason"})
+	replicasDesired = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "sluice_policy_replicas_desired",
+		Help: "Enforcer replicas a policy asks for, once its objects are programmed.",
+	}, []string{"policy"})
+	replicasServing = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "sluice_policy_replicas_serving",
+		Help: "Enforcer replicas of a policy that are ready and report serving its current configuration revision.",
+	}, []string{"policy"})
+	policyCondition = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "sluice_policy_condition",
+		Help: "1 when a policy's condition (Accepted, Programmed, Ready, Degraded) has status True, 0 otherwise; reason is the condition's reason.",
+	}, []string{"policy", "condition", "reason"})
+)
+
+func init() {
+	metrics.Registry.MustRegister(reconcileErrors, reportFailures, replicasDesired, replicasServing, policyCondition)
+	// Every reason at zero from the start: an alert on increase() sees the first failure.
+	for _, r := range []string{errRead, errRender, errApply, errRejected, errInTheWay, errStatus} {
+		reconcileErrors.WithLabelValues(r)
+	}
+	for _, r := range []string{reportTimeoutReason, reportUnreachable, reportStatus, reportInvalid} {
+		reportFailures.WithLabelValues(r)
+	}
+}
+
+// failed counts a failed reconcile under reason and returns err.
+func failed(reason string, err error) error {
+	reconcileErrors.WithLabelValues(reason).Inc()
+	return err
+}
+
+// reportError is a report that was read but could not be used.
+type reportError struct {
+	reason string
+	err    error
+}
+
+func (e *reportError) Error() string { return e.err.Error() }
+func (e *reportError) Unwrap() error { return e.err }
+
+// reportFailureReason classifies why a report could not be read.
+func reportFailureReason(err error) string {
+	var re *reportError
+	var ne net.Error
+	switch {
+	case errors.As(err, &re):
+		return re.reason
+	case errors.As(err, &ne) && ne.Timeout():
+		return reportTimeoutReason
+	}
+	return reportUnreachable
+}
+
+// exportStatus sets a policy's gauges from the status it was just given.
+func exportStatus(key types.NamespacedName, st *v1alpha1.RateLimitPolicyStatus) {
+	id := key.Namespace + "/" + key.Name
+	policyCondition.DeletePartialMatch(prometheus.Labels{"policy": id})
+	for _, c := range st.Conditions {
+		v := 0.0
+		if c.Status == "True" {
+			v = 1
+		}
+		policyCondition.WithLabelValues(id, c.Type, c.Reason).Set(v)
+	}
+	if e := st.Enforcer; e != nil {
+		replicasDesired.WithLabelValues(id).Set(float64(e.Replicas))
+		replicasServing.WithLabelValues(id).Set(float64(e.ReadyReplicas))
+	} else {
+		replicasDesired.DeleteLabelValues(id)
+		replicasServing.DeleteLabelValues(id)
+	}
+}
+
+// forgetStatus removes the gauges of a policy that is gone.
+func forgetStatus(key types.NamespacedName) {
+	l := prometheus.Labels{"policy": key.Namespace + "/" + key.Name}
+	for _, g := range []*prometheus.GaugeVec{replicasDesired, replicasServing, policyCondition} {
+		g.DeletePartialMatch(l)
+	}
+}
