@@ -47,7 +47,7 @@ lint: ## Lint the Go code with the pinned golangci-lint.
 
 .PHONY: verify
 verify: generate manifests ## Regenerate everything, fail if anything generated drifted, go.mod is untidy or a kustomization is broken.
-	@for overlay in config/default config/cert-manager; do \
+	@for overlay in config/default config/cert-manager config/prometheus; do \
 		$(KUSTOMIZE) build $$overlay >/dev/null || { echo "kustomize build $$overlay failed"; exit 1; }; \
 	done
 	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook); \
@@ -70,6 +70,11 @@ demo: redis-server ## Run Sluice on this machine, no cluster needed: control pla
 redis-server: ## Make sure redis-server and redis-cli exist (the tests start their own).
 	@hack/ensure-redis.sh
 
+.PHONY: tools
+tools: ## Build helm and promtool once per machine (the tests run them on the chart and the alerts); print their paths.
+	@hack/tool.sh helm
+	@hack/tool.sh promtool
+
 .PHONY: envtest
 envtest: ## Build the test control plane (kube-apiserver, etcd) once per machine; print its path.
 	@hack/envtest.sh
@@ -80,7 +85,8 @@ test-unit: ## Run the fast tier: every test that needs neither the control plane
 
 .PHONY: test
 test: redis-server ## Run all tests against a real API server and real Redis.
-	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" go test -race -count=1 -timeout 30m ./...
+	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" HELM="$$(hack/tool.sh helm)" PROMTOOL="$$(hack/tool.sh promtool)" \
+		go test -race -count=1 -timeout 30m ./...
 
 .PHONY: bench
 bench: redis-server ## Run the Go benchmarks.

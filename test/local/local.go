@@ -224,3 +224,20 @@ func StartManager(ctx context.Context, env *testenv.Env, bin, kubeconfig string,
 	}
 	return p, nil
 }
+
+// Tool is the path of a tool that Sluice's users run and the tests run too: helm or promtool.
+// $HELM or $PROMTOOL when set (make test sets them), or else hack/tool.sh, which builds the tool
+// from the module pinned in hack/tools/<name> once per machine.
+func Tool(name string) (string, error) {
+	if p := os.Getenv(strings.ToUpper(name)); p != "" {
+		return p, nil
+	}
+	cmd := exec.Command(filepath.Join(testenv.RepoRoot(), "hack", "tool.sh"), name)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("hack/tool.sh %s: %w: %s", name, err, stderr.String())
+	}
+	return strings.TrimSpace(string(out)), nil
+}
