@@ -32,6 +32,11 @@ manifests: ## Generate the CRD, RBAC and webhook manifests from markers.
 		output:crd:artifacts:config=config/crd/bases \
 		output:rbac:artifacts:config=config/rbac \
 		output:webhook:artifacts:config=config/webhook
+	@# The Helm chart installs config/'s generated objects, its alerts and dashboard, from copies.
+	cp config/crd/bases/ratelimit.sluice.dev_ratelimitpolicies.yaml charts/sluice/files/crd.yaml
+	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml charts/sluice/files/
+	cp config/webhook/manifests.yaml charts/sluice/files/webhook.yaml
+	cp config/prometheus/prometheusrule.yaml config/grafana/sluice.json charts/sluice/files/
 
 .PHONY: fmt
 fmt: ## Format the Go code.
@@ -50,7 +55,7 @@ verify: generate manifests ## Regenerate everything, fail if anything generated 
 	@for overlay in config/default config/cert-manager config/prometheus; do \
 		$(KUSTOMIZE) build $$overlay >/dev/null || { echo "kustomize build $$overlay failed"; exit 1; }; \
 	done
-	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook); \
+	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook charts/sluice/files); \
 	if [[ -n "$$drift" ]]; then \
 		echo "Generated files are out of date; run 'make generate manifests' and commit:"; \
 		echo "$$drift"; git --no-pager diff --stat -- api config; exit 1; \

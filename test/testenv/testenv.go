@@ -34,8 +34,11 @@ type Env struct {
 type Option func(*options)
 
 type options struct {
-	webhooks, controllers bool
+	webhooks, controllers, noCRDs bool
 }
+
+// WithoutCRDs leaves the CRDs out, for a test that installs them itself (the Helm chart does).
+func WithoutCRDs() Option { return func(o *options) { o.noCRDs = true } }
 
 // WithControllers runs the real kube-controller-manager beside the API server, with the
 // controllers Sluice's objects meet in a cluster: Deployment, ReplicaSet, garbage collector and
@@ -68,18 +71,17 @@ func Start(opts ...Option) (*Env, error) {
 		}
 		assets = strings.TrimSpace(string(out))
 	}
-	env := &envtest.Environment{
-		CRDDirectoryPaths:     []string{filepath.Join(RepoRoot(), "config", "crd", "bases")},
-		ErrorIfCRDPathMissing: true,
-		BinaryAssetsDirectory: assets,
-	}
-	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
-	// has an enforcer Service.
-	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
 	var o options
 	for _, opt := range opts {
 		opt(&o)
 	}
+	env := &envtest.Environment{BinaryAssetsDirectory: assets}
+	if !o.noCRDs {
+		env.CRDDirectoryPaths, env.ErrorIfCRDPathMissing = []string{filepath.Join(RepoRoot(), "config", "crd", "bases")}, true
+	}
+	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
+	// has an enforcer Service.
+	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
 	if o.webhooks {
 		env.WebhookInstallOptions.Paths = []string{filepath.Join(RepoRoot(), "config", "webhook", "manifests.yaml")}
 	}

@@ -1,0 +1,448 @@
+// Package chart_test checks the Helm chart with the tools its users run: the real helm (lint,
+// template, install, upgrade, uninstall) against the real API server, with the real CRDs of
+// cert-manager and the Prometheus Operator for the objects of theirs the chart makes.
+package chart_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/test/tier"
+)
+
+// The versions of the third-party CRDs the chart's objects are checked against: the newest
+// releases the module proxy serves. cert-manager ships its CRDs in its module; the Prometheus
+// Operator's are generated from its API types with controller-gen, as its own build does.
+const (
+	certManagerModule = "github.com/cert-manager/cert-manager@v1.19.1"
+	monitoringModule  = "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring@v0.95.2"
+)
+
+const namespace = "sluice-system"
+
+var (
+	env        *testenv.Env
+	k8s        client.Client
+	helm       string
+	kubeconfig string
+)
+
+func TestMain(m *testing.M) {
+	flag.Parse()
+	tier.RunFast(m)
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	var err error
+	if helm, err = local.Tool("helm"); err != nil {
+		return fail(err)
+	}
+	// No CRDs: the chart installs Sluice's.
+	if env, err = testenv.Start(testenv.WithoutCRDs()); err != nil {
+		return fail(err)
+	}
+	defer func() { _ = env.Stop() }()
+	dir, err := os.MkdirTemp("", "sluice-chart-")
+	if err != nil {
+		return fail(err)
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	kubeconfig = filepath.Join(dir, "kubeconfig")
+	if err := env.WriteKubeconfig(kubeconfig); err != nil {
+		return fail(err)
+	}
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	_ = apiextensionsv1.AddToScheme(scheme)
+	_ = v1alpha1.AddToScheme(scheme)
+	if k8s, err = client.New(env.Config, client.Options{Scheme: scheme}); err != nil {
+		return fail(err)
+	}
+	if err := installThirdPartyCRDs(dir); err != nil {
+		return fail(err)
+	}
+	return m.Run()
+}
+
+// installThirdPartyCRDs installs cert-manager's and the Prometheus Operator's CRDs.
+func installThirdPartyCRDs(dir string) error {
+	cm, err := moduleDir(certManagerModule)
+	if err != nil {
+		return err
+	}
+	mon, err := moduleDir(monitoringModule)
+	if err != nil {
+		return err
+	}
+	gen := filepath.Join(dir, "monitoring-crds")
+	cmd := exec.Command("go", "tool", "-modfile="+filepath.Join(testenv.RepoRoot(), "hack", "tools", "go.mod"),
+		"controller-gen", "crd:allowDangerousTypes=true", "paths=./v1", "output:crd:dir="+gen)
+	cmd.Dir = mon
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("generate the Prometheus Operator's CRDs: %w: %s", err, out)
+	}
+	_, err = envtest.InstallCRDs(env.Config, envtest.CRDInstallOptions{
+		Paths:              []string{filepath.Join(cm, "deploy", "crds"), gen},
+		ErrorIfPathMissing: true,
+	})
+	return err
+}
+
+// moduleDir downloads a module through the Go module proxy and returns its directory.
+func moduleDir(module string) (string, error) {
+	out, err := exec.Command("go", "mod", "download", "-json", module).Output()
+	if err != nil {
+		return "", fmt.Errorf("go mod download %s: %w", module, err)
+	}
+	var m struct{ Dir, Error string }
+	if err := json.Unmarshal(out, &m); err != nil {
+		return "", fmt.Errorf("go mod download %s: %w", module, err)
+	}
+	if m.Error != "" {
+		return "", fmt.Errorf("go mod download %s: %s", module, m.Error)
+	}
+	return m.Dir, nil
+}
+
+// Value sets every test renders: the defaults, cert-manager, and everything on.
+var valueSets = map[string][]string{
+	"defaults":     nil,
+	"cert-manager": {"--set", "webhook.certManager.enabled=true"},
+	"everything": {"--set", "webhook.certManager.enabled=true,serviceMonitor.enabled=true,prometheusRule.enabled=true,dashboard.enabled=true",
+		"--set", "manager.replicas=2,manager.logLevel=debug", "--set-json", "prometheusRule.refusedShareThreshold=0.25",
+		"--set-json", `manager.nodeSelector={"kubernetes.io/os":"linux"}`,
+		"--set-json", `webhook.certManager.issuerRef={"kind":"ClusterIssuer","name":"corp-ca"}`},
+}
+
+// runHelm runs helm with args and returns its stdout, or its stderr as the error.
+func runHelm(args ...string) (string, error) {
+	cmd := exec.Command(helm, append(args, "--kubeconfig", kubeconfig)...)
+	cmd.Dir = testenv.RepoRoot()
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return stdout.String(), fmt.Errorf("helm %s: %w\n%s%s", strings.Join(args, " "), err, stdout.String(), stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+// render is `helm template` of the chart into sluice-system.
+func render(t *testing.T, values ...string) []*unstructured.Unstructured {
+	t.Helper()
+	out, err := runHelm(append([]string{"template", "sluice", "charts/sluice", "--namespace", namespace}, values...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return decode(t, []byte(out))
+}
+
+func decode(t *testing.T, data []byte) []*unstructured.Unstructured {
+	t.Helper()
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+	var objs []*unstructured.Unstructured
+	for {
+		u := &unstructured.Unstructured{}
+		if err := dec.Decode(&u.Object); err != nil {
+			if errors.Is(err, io.EOF) {
+				return objs
+			}
+			t.Fatal(err)
+		}
+		if len(u.Object) > 0 {
+			objs = append(objs, u)
+		}
+	}
+}
+
+func TestChartWhenLintedStrictlyThenHelmFindsNothing(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	for name, values := range valueSets {
+		t.Run(name, func(t *testing.T) {
+			out, err := runHelm(append([]string{"lint", "--strict", "charts/sluice"}, values...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(out, "1 chart(s) linted, 0 chart(s) failed") || strings.Contains(out, "[WARNING]") {
+				t.Errorf("helm lint --strict:\n%s", out)
+			}
+		})
+	}
+}
+
+// Every object the chart renders, in every value set, is accepted by the API server with the
+// real schemas (server-side apply, dry run), cert-manager's and the Prometheus Operator's kinds
+// included; Sluice's own CRD is applied for real first, as Helm would.
+func TestChartWhenRenderedThenTheAPIServerAcceptsEveryObject(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	ctx := context.Background()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "sluice-render"}}
+	if err := k8s.Create(ctx, ns); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	for name, values := range valueSets {
+		t.Run(name, func(t *testing.T) {
+			out, err := runHelm(append([]string{"template", "sluice", "charts/sluice", "--namespace", ns.Name}, values...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			kinds := map[string]int{}
+			for _, u := range decode(t, []byte(out)) {
+				kinds[u.GetKind()]++
+				if u.GetNamespace() == "" && u.GetKind() != "CustomResourceDefinition" && u.GetKind() != "ClusterRole" &&
+					u.GetKind() != "ClusterRoleBinding" && u.GetKind() != "ValidatingWebhookConfiguration" {
+					t.Errorf("%s %s has no namespace", u.GetKind(), u.GetName())
+				}
+				if err := k8s.Patch(ctx, u, client.Apply, client.FieldOwner("chart-test"), client.DryRunAll, client.ForceOwnership); err != nil { //nolint:staticcheck // unstructured apply
+					t.Errorf("%s %s: %v", u.GetKind(), u.GetName(), err)
+				}
+			}
+			want := map[string]int{"CustomResourceDefinition": 1, "Deployment": 1, "ClusterRole": 1, "Role": 2, "ValidatingWebhookConfiguration": 1}
+			if name != "defaults" {
+				want["Certificate"] = 1
+			}
+			if name == "everything" {
+				want["ServiceMonitor"], want["PodMonitor"], want["PrometheusRule"], want["ConfigMap"] = 1, 1, 1, 1
+			}
+			for k, n := range want {
+				if kinds[k] != n {
+					t.Errorf("%d %s, want %d (all: %v)", kinds[k], k, n, kinds)
+				}
+			}
+			if kinds["MutatingWebhookConfiguration"] > 0 {
+				t.Error("the chart installs a MutatingWebhookConfiguration: the spec must stay as the user wrote it")
+			}
+		})
+	}
+}
+
+func TestChartWhenAValueIsWrongThenHelmRefusesItNamingTheValue(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	for _, c := range []struct {
+		values []string
+		want   string
+	}{
+		{[]string{"--set", "manager.replicas=0"}, "/manager/replicas"},
+		{[]string{"--set", "manager.logLevel=verbose"}, "/manager/logLevel"},
+		{[]string{"--set", "manager.imag.tag=v1"}, "imag"},
+		{[]string{"--set", "manager.reportInterval=often"}, "/manager/reportInterval"},
+		{[]string{"--set", "manager.extraArgs[0]=kube-api-qps=100"}, "/manager/extraArgs/0"},
+		{[]string{"--set-json", "prometheusRule.refusedShareThreshold=2"}, "/prometheusRule/refusedShareThreshold"},
+		{[]string{"--set", "webhook.certManager.issuerRef.kind=Vault"}, "/webhook/certManager/issuerRef/kind"},
+		{[]string{"--set", "enforcer.image="}, "/enforcer/image"},
+	} {
+		_, err := runHelm(append([]string{"template", "sluice", "charts/sluice"}, c.values...)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("helm template %v: %v; want a refusal naming %s", c.values, err, c.want)
+		}
+	}
+}
+
+// The chart installs config/'s objects: the CRD, the manager's RBAC rules and the webhook
+// configuration that controller-gen generates, the alerts and the dashboard. Rendered side by
+// side, they must not differ.
+func TestChartWhenRenderedBesideConfigThenTheGeneratedObjectsAreTheSame(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	chart := byKindName(render(t, "--set", "serviceMonitor.enabled=true,prometheusRule.enabled=true,dashboard.enabled=true"))
+	kustomized := byKindName(kustomize(t, "config/default"))
+	for k, v := range byKindName(kustomize(t, "config/prometheus")) {
+		kustomized[k] = v
+	}
+	compared := 0
+	for key, want := range kustomized {
+		got, ok := chart[key]
+		kind := want.GetKind()
+		if !ok {
+			if kind != "Namespace" {
+				t.Errorf("the chart has no %s, which config/ installs", key)
+			}
+			continue
+		}
+		var field string
+		switch kind {
+		case "CustomResourceDefinition", "Service", "ServiceMonitor", "PodMonitor", "PrometheusRule":
+			field = "spec"
+		case "ClusterRole", "Role":
+			field = "rules"
+		case "ValidatingWebhookConfiguration":
+			field = "webhooks"
+		case "ClusterRoleBinding", "RoleBinding":
+			field = "roleRef"
+		default:
+			continue
+		}
+		compared++
+		if !jsonEqual(got.Object[field], want.Object[field]) {
+			t.Errorf("%s: the chart's %s differs from config/'s:\nchart:  %s\nconfig: %s", key, field, mustJSON(got.Object[field]), mustJSON(want.Object[field]))
+		}
+	}
+	if compared < 12 {
+		t.Errorf("compared %d objects; the comparison lost its objects", compared)
+	}
+	dashboard, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "config", "grafana", "sluice.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cm := chart["ConfigMap/sluice-dashboard"]
+	if cm == nil {
+		t.Fatal("no dashboard ConfigMap")
+	}
+	if got, _, _ := unstructured.NestedString(cm.Object, "data", "sluice.json"); strings.TrimSpace(got) != strings.TrimSpace(string(dashboard)) {
+		t.Error("the chart's dashboard differs from config/grafana/sluice.json")
+	}
+}
+
+func byKindName(objs []*unstructured.Unstructured) map[string]*unstructured.Unstructured {
+	m := map[string]*unstructured.Unstructured{}
+	for _, u := range objs {
+		m[u.GetKind()+"/"+u.GetName()] = u
+	}
+	return m
+}
+
+func kustomize(t *testing.T, overlay string) []*unstructured.Unstructured {
+	t.Helper()
+	cmd := exec.Command("go", "tool", "-modfile=hack/tools/go.mod", "kustomize", "build", overlay)
+	cmd.Dir = testenv.RepoRoot()
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("kustomize build %s: %v", overlay, err)
+	}
+	return decode(t, out)
+}
+
+func jsonEqual(a, b any) bool { return mustJSON(a) == mustJSON(b) }
+
+func mustJSON(v any) string {
+	b, _ := json.Marshal(v) // maps from YAML: cannot fail
+	return string(b)
+}
+
+// A real helm install, upgrade and uninstall against the API server: the upgrade changes the
+// manager and keeps the CRD (the same object) and a policy; the uninstall removes the manager
+// and keeps both.
+func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	ctx := context.Background()
+	const release, ns = "sluice", "sluice-helm"
+	if _, err := runHelm("install", release, "charts/sluice", "--namespace", ns, "--create-namespace"); err != nil {
+		t.Fatal(err)
+	}
+	crd := &apiextensionsv1.CustomResourceDefinition{}
+	waitEstablished(t, crd)
+	// No manager runs here to answer the webhook: take its configuration away, as the test
+	// cannot serve it, and create a policy.
+	vwc := &unstructured.Unstructured{}
+	vwc.SetAPIVersion("admissionregistration.k8s.io/v1")
+	vwc.SetKind("ValidatingWebhookConfiguration")
+	vwc.SetName("sluice-validating-webhook-configuration")
+	if err := k8s.Delete(ctx, vwc); err != nil {
+		t.Fatal(err)
+	}
+	app := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}
+	if err := k8s.Create(ctx, app); err != nil {
+		t.Fatal(err)
+	}
+	p := testenv.ReadObjects(t, filepath.Join(testenv.RepoRoot(), "config", "samples", "fixed-window.yaml"))[0]
+	p.SetNamespace(app.Name)
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := runHelm("upgrade", release, "charts/sluice", "--namespace", ns, "--set", "manager.replicas=2,manager.logLevel=debug"); err != nil {
+		t.Fatal(err)
+	}
+	after := &apiextensionsv1.CustomResourceDefinition{}
+	waitEstablished(t, after)
+	if after.UID != crd.UID {
+		t.Errorf("the upgrade replaced the CRD (uid %s, was %s): every policy would have gone with it", after.UID, crd.UID)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
+		t.Errorf("the policy after the upgrade: %v", err)
+	}
+	dep := &unstructured.Unstructured{}
+	dep.SetAPIVersion("apps/v1")
+	dep.SetKind("Deployment")
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-manager"}, dep); err != nil {
+		t.Fatal(err)
+	}
+	replicas, _, _ := unstructured.NestedInt64(dep.Object, "spec", "replicas")
+	containers, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+	if replicas != 2 || !strings.Contains(fmt.Sprint(containers), "--zap-log-level=debug") {
+		t.Errorf("after the upgrade: %d replicas, containers %v; want 2 and debug logs", replicas, containers)
+	}
+
+	if _, err := runHelm("uninstall", release, "--namespace", ns); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "sluice-manager"}, dep); !apierrors.IsNotFound(err) {
+		t.Errorf("the manager after uninstall: %v, want gone", err)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(after), after); err != nil || after.DeletionTimestamp != nil {
+		t.Errorf("the CRD after uninstall: %v (deleting: %v), want kept", err, after.DeletionTimestamp)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil || p.GetDeletionTimestamp() != nil {
+		t.Errorf("the policy after uninstall: %v, want kept", err)
+	}
+	if names := releaseNames(t, ns); slices.Contains(names, release) {
+		t.Errorf("helm still lists the release: %v", names)
+	}
+}
+
+func waitEstablished(t *testing.T, crd *apiextensionsv1.CustomResourceDefinition) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := k8s.Get(context.Background(), client.ObjectKey{Name: "ratelimitpolicies.ratelimit.sluice.dev"}, crd)
+		if err == nil {
+			for _, c := range crd.Status.Conditions {
+				if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
+					return
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the CRD is not established: %v %+v", err, crd.Status.Conditions)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func releaseNames(t *testing.T, ns string) []string {
+	t.Helper()
+	out, err := runHelm("list", "--namespace", ns, "--short")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Fields(out)
+}
