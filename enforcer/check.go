@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"net/url"
 	"strings"
 	"time"
 
@@ -26,10 +25,8 @@ import (
 //
 // An ingress sends one small bodiless HTTP/1.1 request per client request and needs nothing of
 // HTTP/2, upgrades or streaming, so the check API is served by fasthttp, which spends a fraction
-// of net/http's CPU per request (docs/benchmarks.md). One consequence: fasthttp does not tell a
-// handler that its client left, so a leaky-bucket request is held for its whole wait even when
-// the ingress gave up. Its place in the queue was taken when it was decided, so releasing it
-// early would free only the goroutine; the wait is bounded by the rule's maxWait.
+// of net/http's CPU per request (docs/benchmarks.md). A leaky-bucket request's answer is held
+// for its wait, and released at once if the ingress closes the connection meanwhile (holdConn).
 type check struct {
 	limiter *limiter.Limiter
 }
@@ -44,9 +41,12 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 		ctx.Error(missingOriginal, http.StatusBadRequest)
 		return
 	}
+	// Decoded, and with dot segments resolved, as the proxy decides and the upstream reads it.
+	var u fasthttp.URI
 	path := uri
-	if u, err := url.Parse(uri); err == nil {
-		path = u.Path
+	// A URI without a scheme is a request target: "//admin" is a path, not an authority.
+	if err := u.Parse([]byte("original"), []byte(uri)); err == nil {
+		path = string(u.Path())
 	}
 	// Not ctx: fasthttp cancels every request's context when the server shuts down, and a
 	// decision in flight then must still be made, not failed over. The store's own deadline
@@ -60,7 +60,9 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 		ctx.SetBody(body)
 		return
 	}
-	time.Sleep(res.Wait)
+	if !holdConn(ctx.Conn(), res.Wait) {
+		ctx.SetConnectionClose() // the ingress gave up: nobody reads the answer
+	}
 }
 
 // fastHeader reads fasthttp's request header as a policy.Header (enforcer/policy).
@@ -92,11 +94,11 @@ func remoteAddr(ctx *fasthttp.RequestCtx) netip.Addr {
 }
 
 // newCheckServer serves the check API with the proxy's limits against slow and oversized
-// clients: 10 s to read a request, 120 s idle, 64 KiB of header.
-func newCheckServer(c *check, log logr.Logger) *fasthttp.Server {
+// clients: readTimeout to read a request, 120 s idle, 64 KiB of header.
+func newCheckServer(c *check, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:               c.serve,
-		ReadTimeout:           10 * time.Second,
+		ReadTimeout:           readTimeout,
 		IdleTimeout:           120 * time.Second,
 		ReadBufferSize:        64 << 10, // fasthttp's header size limit
 		MaxRequestBodySize:    64 << 10, // ingresses send none

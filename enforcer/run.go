@@ -50,6 +50,9 @@ type Config struct {
 	// ShutdownTimeout bounds the drain of in-flight requests after the delay: every request
 	// accepted by then is answered within it, leaky-bucket requests held in their queue included.
 	ShutdownTimeout time.Duration
+	// ReadTimeout bounds the reading of a request's header block on every listener: a client
+	// that takes longer gets 408. Default 10s.
+	ReadTimeout time.Duration
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
 	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
@@ -109,6 +112,9 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	}
 	if cfg.StorePingInterval <= 0 {
 		cfg.StorePingInterval = 2 * time.Second
+	}
+	if cfg.ReadTimeout <= 0 {
+		cfg.ReadTimeout = 10 * time.Second
 	}
 	data, err := os.ReadFile(cfg.PolicyFile)
 	if err != nil {
@@ -176,9 +182,9 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		ExpectContinueTimeout: time.Second,
 		ForceAttemptHTTP2:     true,
 	}
-	var proxyHandler http.Handler
+	var serveProxy func(net.Listener) func(context.Context) error
 	if cfg.Upstream != nil {
-		proxyHandler = newProxy(e.limiter, cfg.Upstream, transport)
+		serveProxy = e.serveProxy(newFastProxy(e.limiter, cfg.Upstream, cfg.Log), newProxy(e.limiter, cfg.Upstream, transport))
 	}
 	servers := []struct {
 		addr   *string
@@ -186,7 +192,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		serve  func(net.Listener) func(context.Context) error
 	}{
 		{&e.AdminAddr, cfg.AdminListen, e.serveHTTP(admin)},
-		{&e.ProxyAddr, cfg.Listen, e.serveHTTP(proxyHandler)},
+		{&e.ProxyAddr, cfg.Listen, serveProxy},
 		{&e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
 	}
 	for i, s := range servers {
@@ -250,7 +256,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 		protocols.SetUnencryptedHTTP2(true)
 		srv := &http.Server{
 			Handler:           h,
-			ReadHeaderTimeout: 10 * time.Second,
+			ReadHeaderTimeout: e.cfg.ReadTimeout,
 			IdleTimeout:       120 * time.Second,
 			MaxHeaderBytes:    maxHeaderBytes,
 			Protocols:         &protocols,
@@ -264,6 +270,32 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 	}
 }
 
+// serveProxy returns a function that serves the proxy and returns its shutdown: fasthttp serves
+// HTTP/1.1 (and upgrades), and the connections that open with the HTTP/2 preface go to a
+// net/http server for cleartext HTTP/2 (h2c), which fasthttp does not speak.
+func (e *Enforcer) serveProxy(fast *fastProxy, h2 http.Handler) func(net.Listener) func(context.Context) error {
+	return func(ln net.Listener) func(context.Context) error {
+		split := newSplitListener(ln, e.cfg.ReadTimeout)
+		srv := newProxyServer(fast, e.cfg.Log, e.cfg.ReadTimeout)
+		shutdownH1 := e.run(func() error {
+			if err := srv.Serve(split.h1); !errors.Is(err, net.ErrClosed) {
+				return err
+			}
+			return nil
+		}, srv.ShutdownWithContext)
+		shutdownH2 := e.serveHTTP(h2)(split.h2)
+		return func(ctx context.Context) error {
+			_ = split.Close() // no new connections, of either kind
+			var wg sync.WaitGroup
+			var err1, err2 error
+			wg.Go(func() { err1 = shutdownH1(ctx) })
+			wg.Go(func() { err2 = shutdownH2(ctx) })
+			wg.Wait()
+			return errors.Join(err1, err2)
+		}
+	}
+}
+
 // maxHeaderBytes makes net/http answer 431 to a request line and header block over 64 KiB, as
 // the check API does: it reads MaxHeaderBytes plus 4096 bytes of slack, and with h2c on it
 // reads the first bytes of a connection, as long as "PRI * HTTP/2.0", to sniff for the HTTP/2
@@ -273,7 +305,7 @@ const maxHeaderBytes = 64<<10 - 4096 - len("PRI * HTTP/2.0")
 // serveCheck returns a function that runs the check API's server and returns its shutdown.
 func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
-		srv := newCheckServer(c, e.cfg.Log)
+		srv := newCheckServer(c, e.cfg.Log, e.cfg.ReadTimeout)
 		var shutdown atomic.Bool
 		serve := func() error {
 			err := srv.Serve(ln)

@@ -1,0 +1,61 @@
+package enforcer
+
+import (
+	"errors"
+	"net"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// holdConn keeps a request for wait, as a leaky bucket's queue does, and reports false if the
+// client closed its connection meanwhile, at once. fasthttp tells its handlers nothing of the
+// connection, and reading it would take bytes from the next request; so the socket is watched
+// with MSG_PEEK, which sees the end of the stream, or a reset, without consuming anything. A
+// connection that is not a socket, or that has bytes waiting (a pipelined request), is held
+// for the whole wait.
+func holdConn(c net.Conn, wait time.Duration) bool {
+	if wait <= 0 {
+		return true
+	}
+	deadline := time.Now().Add(wait)
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		time.Sleep(wait)
+		return true
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		time.Sleep(wait)
+		return true
+	}
+	// The poller wakes the read below when the socket becomes readable, or when the deadline
+	// passes. The server sets its own deadline again before it reads the next request.
+	if err := c.SetReadDeadline(deadline); err != nil {
+		time.Sleep(wait)
+		return true
+	}
+	defer func() { _ = c.SetReadDeadline(time.Time{}) }()
+	left, waiting := false, false
+	var b [1]byte
+	err = raw.Read(func(fd uintptr) bool {
+		n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		switch {
+		case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
+			return false // nothing yet: wait for readability or the deadline
+		case err != nil || n == 0:
+			left = true // a reset, or the end of the stream
+		default:
+			waiting = true
+		}
+		return true
+	})
+	if left {
+		return false
+	}
+	if waiting || err == nil {
+		time.Sleep(time.Until(deadline))
+	}
+	return true
+}

@@ -1,0 +1,255 @@
+package enforcer
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/valyala/fasthttp"
+
+	"github.com/sluice-dev/sluice/enforcer/limiter"
+)
+
+// fastProxy is the reverse proxy for HTTP/1.1, on fasthttp: it decides each request, holds
+// leaky-bucket requests for their wait (releasing one whose client leaves), and forwards what
+// passes to the upstream with both bodies streamed, as httputil.ReverseProxy would: hop-by-hop
+// fields removed, X-Forwarded-For, -Host and -Proto set, upgrades (WebSocket) spliced both ways.
+// Cleartext HTTP/2 goes to the net/http proxy (h2Proxy) instead; see serveProxy.
+type fastProxy struct {
+	limiter  *limiter.Limiter
+	upstream *url.URL
+	client   *fasthttp.HostClient
+	// dialUpgrade opens a connection to the upstream for an upgraded request.
+	dialUpgrade func(ctx context.Context) (net.Conn, error)
+	log         logr.Logger
+}
+
+func newFastProxy(l *limiter.Limiter, upstream *url.URL, log logr.Logger) *fastProxy {
+	tlsUp := upstream.Scheme == "https"
+	addr := upstream.Host
+	if upstream.Port() == "" {
+		addr = net.JoinHostPort(upstream.Hostname(), map[bool]string{true: "443", false: "80"}[tlsUp])
+	}
+	p := &fastProxy{limiter: l, upstream: upstream, log: log}
+	p.client = &fasthttp.HostClient{
+		Addr:  addr,
+		IsTLS: tlsUp,
+		// As many connections as requests in flight: a proxy must not queue behind its pool.
+		MaxConns:            1 << 16,
+		MaxIdleConnDuration: 90 * time.Second,
+		// Streamed both ways: a response is relayed as the upstream writes it.
+		StreamResponseBody:            true,
+		DisablePathNormalizing:        true,
+		DisableHeaderNamesNormalizing: true,
+		NoDefaultUserAgentHeader:      true,
+		Dial: func(addr string) (net.Conn, error) {
+			return (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).Dial("tcp", addr)
+		},
+		// A request is sent once: a retry after an error could run a request twice upstream.
+		RetryIfErr: func(*fasthttp.Request, int, error) (bool, bool) { return false, false },
+	}
+	d := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
+	p.dialUpgrade = func(ctx context.Context) (net.Conn, error) {
+		if tlsUp {
+			return (&tls.Dialer{NetDialer: d, Config: &tls.Config{ServerName: upstream.Hostname(), MinVersion: tls.VersionTLS12}}).DialContext(ctx, "tcp", addr)
+		}
+		return d.DialContext(ctx, "tcp", addr)
+	}
+	return p
+}
+
+func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
+	req := &ctx.Request
+	res := p.limiter.Decide(context.Background(), &limiter.Request{
+		Method: string(req.Header.Method()),
+		Path:   string(ctx.Path()), // decoded, and with dot segments resolved as the upstream will
+		Header: fastHeader{&req.Header},
+		Peer:   remoteAddr(ctx),
+	})
+	if res.Outcome != limiter.Allowed {
+		resp := &ctx.Response.Header
+		setRateLimitHeaders(resp.Set, &res)
+		status, body := refusal(resp.Set, &res)
+		ctx.SetStatusCode(status)
+		ctx.SetBody(body)
+		return
+	}
+	if !holdConn(ctx.Conn(), res.Wait) {
+		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
+		return
+	}
+	upgrade := upgradeType(&req.Header)
+	p.rewrite(ctx, req)
+	if upgrade != "" {
+		p.upgrade(ctx, upgrade)
+		return
+	}
+	// The body of a long upload arrives while the request is forwarded, past the deadline the
+	// server set for reading the request.
+	_ = ctx.Conn().SetReadDeadline(time.Time{})
+	if err := p.client.Do(req, &ctx.Response); err != nil {
+		ctx.Response.Reset()
+		ctx.SetStatusCode(http.StatusBadGateway)
+		p.log.V(1).Info("Upstream request failed", "error", err.Error())
+	}
+	removeHopHeaders(&ctx.Response.Header)
+	// After the upstream's fields, which the response now holds.
+	setRateLimitHeaders(ctx.Response.Header.Set, &res)
+}
+
+// rewrite turns the client's request into the upstream's, as httputil.ReverseProxy's Rewrite
+// with SetURL and SetXForwarded: the upstream's scheme and address, the client's Host kept,
+// hop-by-hop fields removed, and X-Forwarded-For (the chain so far plus the peer), -Host and
+// -Proto set.
+func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
+	h := &req.Header
+	host := append([]byte(nil), h.Host()...)
+	removeHopHeaders(h)
+	peer := remoteAddr(ctx).String()
+	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
+		h.Set("X-Forwarded-For", string(prior)+", "+peer)
+	} else {
+		h.Set("X-Forwarded-For", peer)
+	}
+	h.SetBytesV("X-Forwarded-Host", host)
+	h.Set("X-Forwarded-Proto", "http")
+	if p.upstream.Path != "" && p.upstream.Path != "/" {
+		path := req.URI().PathOriginal()
+		req.URI().SetPathBytes(append([]byte(strings.TrimSuffix(p.upstream.Path, "/")), path...))
+	}
+	req.SetHostBytes(host) // SetHost sets the URI's host and the Host field: the client's
+	req.UseHostHeader = true
+}
+
+// hopHeaders are the fields that belong to one connection (RFC 9110, 7.6.1), as
+// httputil.ReverseProxy removes them.
+var hopHeaders = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
+
+// header is what removeHopHeaders needs of a request or response header.
+type header interface {
+	Peek(key string) []byte
+	Del(key string)
+}
+
+// removeHopHeaders removes the hop-by-hop fields, and those the Connection field names. fasthttp
+// keeps Connection and Transfer-Encoding out of its header map and writes them itself, so
+// deleting them here changes only what it would copy.
+func removeHopHeaders(h header) {
+	if c := h.Peek("Connection"); len(c) > 0 {
+		for f := range bytes.SplitSeq(c, []byte(",")) {
+			if name := string(bytes.TrimSpace(f)); name != "" && !strings.EqualFold(name, "close") && !strings.EqualFold(name, "keep-alive") {
+				h.Del(name)
+			}
+		}
+	}
+	for _, name := range hopHeaders {
+		if len(h.Peek(name)) > 0 {
+			h.Del(name)
+		}
+	}
+}
+
+// upgradeType is the protocol a request asks to switch to, "" if none.
+func upgradeType(h *fasthttp.RequestHeader) string {
+	if !h.ConnectionUpgrade() {
+		return ""
+	}
+	return string(h.Peek("Upgrade"))
+}
+
+// upgrade forwards a request that asks to switch protocols on a connection of its own, and once
+// the upstream answers, splices the two connections both ways until either side ends.
+func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
+	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	up, err := p.dialUpgrade(dctx)
+	if err != nil {
+		ctx.SetStatusCode(http.StatusBadGateway)
+		return
+	}
+	req := &ctx.Request
+	req.Header.Set("Connection", "Upgrade")
+	req.Header.Set("Upgrade", protocol)
+	bw := bufio.NewWriter(up)
+	if err := req.Write(bw); err != nil || bw.Flush() != nil {
+		_ = up.Close()
+		ctx.SetStatusCode(http.StatusBadGateway)
+		return
+	}
+	// The answer, whatever it is, and everything after it, goes to the client as the upstream
+	// sends it: the connection belongs to the two ends from here on.
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(func(client net.Conn) {
+		defer func() { _ = up.Close() }()
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			_, _ = io.Copy(up, client)
+			closeWrite(up)
+		})
+		_, _ = io.Copy(client, up)
+		closeWrite(client)
+		wg.Wait()
+	})
+}
+
+// closeWrite half-closes a connection, so the other end sees the end of the stream and still
+// sends what it has.
+func closeWrite(c net.Conn) {
+	type closeWriter interface{ CloseWrite() error }
+	for {
+		switch v := c.(type) {
+		case closeWriter:
+			_ = v.CloseWrite()
+			return
+		case interface{ NetConn() net.Conn }:
+			c = v.NetConn()
+			continue
+		}
+		_ = c.Close()
+		return
+	}
+}
+
+// newProxyServer serves the proxy's HTTP/1.1 with the limits of the check API: readTimeout to read
+// a request's header block, 120 s idle, 64 KiB of header. Bodies stream: up to 64 KiB is read
+// before the handler runs, the rest while it is forwarded, so uploads of any size pass.
+func newProxyServer(p *fastProxy, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
+	return &fasthttp.Server{
+		Handler:                      p.serve,
+		ReadTimeout:                  readTimeout,
+		IdleTimeout:                  120 * time.Second,
+		ReadBufferSize:               64 << 10, // fasthttp's header size limit
+		StreamRequestBody:            true,
+		MaxRequestBodySize:           64 << 10, // read ahead; the rest streams
+		DisablePreParseMultipartForm: true,
+		NoDefaultServerHeader:        true,
+		NoDefaultContentType:         true,
+		Logger:                       fastLogger{log},
+		ErrorHandler:                 refuseMalformedProxy,
+	}
+}
+
+// refuseMalformedProxy answers a request the proxy could not read with the status that says why.
+func refuseMalformedProxy(ctx *fasthttp.RequestCtx, err error) {
+	var small *fasthttp.ErrSmallBuffer
+	var netErr net.Error
+	switch {
+	case errors.As(err, &small):
+		ctx.Error("request header over 64 KiB", http.StatusRequestHeaderFieldsTooLarge)
+	case errors.As(err, &netErr) && netErr.Timeout():
+		ctx.Error("request not read in time", http.StatusRequestTimeout)
+	default:
+		ctx.Error("malformed request", http.StatusBadRequest)
+	}
+}

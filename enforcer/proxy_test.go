@@ -1,0 +1,216 @@
+package enforcer_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/sluice-dev/sluice/enforcer"
+)
+
+const anyRule = `    - name: any
+      fixedWindow: {limit: 1000, window: 1h}
+`
+
+// The upstream receives what httputil.ReverseProxy would send it: the hop-by-hop fields and
+// those the client's Connection field names are removed, the Host is the client's, and
+// X-Forwarded-Host and -Proto say what the client asked for. The client in turn sees none of
+// the upstream's hop-by-hop fields, and the RateLimit fields beside the upstream's own.
+func TestProxyWhenHeadersAreHopByHopThenTheyStopAtTheProxy(t *testing.T) {
+	seen := make(chan http.Header, 1)
+	hosts := make(chan string, 1)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen <- r.Header.Clone()
+		hosts <- r.Host
+		w.Header().Set("Connection", "X-Upstream-Hop")
+		w.Header().Set("X-Upstream-Hop", "secret")
+		w.Header().Set("Keep-Alive", "timeout=5")
+		w.Header().Set("X-Upstream-End", "kept")
+		_, _ = w.Write([]byte("ok"))
+	}))
+	defer up.Close()
+	e := start(t, policyDoc("hop", anyRule), &upstream{Server: up}, nil)
+
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	_, _ = io.WriteString(conn, "GET /hop?q=1 HTTP/1.1\r\nHost: api.example\r\nConnection: keep-alive, X-Client-Hop\r\n"+
+		"X-Client-Hop: secret\r\nKeep-Alive: timeout=5\r\nProxy-Authorization: Basic c2VjcmV0\r\nTe: trailers\r\nX-Client-End: kept\r\n\r\n")
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	got := <-seen
+	for _, name := range []string{"X-Client-Hop", "Keep-Alive", "Proxy-Authorization", "Te"} {
+		if v := got.Get(name); v != "" {
+			t.Errorf("the upstream received %s: %q", name, v)
+		}
+	}
+	if got.Get("X-Client-End") != "kept" || got.Get("X-Forwarded-Host") != "api.example" || got.Get("X-Forwarded-Proto") != "http" ||
+		got.Get("X-Forwarded-For") != "127.0.0.1" {
+		t.Errorf("the upstream received %v", got)
+	}
+	if h := <-hosts; h != "api.example" {
+		t.Errorf("the upstream saw Host %q, want the client's", h)
+	}
+	for _, name := range []string{"X-Upstream-Hop", "Keep-Alive"} {
+		if v := resp.Header.Get(name); v != "" {
+			t.Errorf("the client received %s: %q", name, v)
+		}
+	}
+	if resp.Header.Get("X-Upstream-End") != "kept" || resp.Header.Get("RateLimit") == "" || resp.Header.Get("RateLimit-Policy") == "" {
+		t.Errorf("the client received %v", resp.Header)
+	}
+}
+
+// Request and response bodies of any size stream through, with a known length or chunked.
+func TestProxyWhenBodiesAreLargeThenTheyPassWhole(t *testing.T) {
+	// The upstream reads the whole body, then answers with its digest and the body again.
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		sum := sha256.Sum256(body)
+		w.Header().Set("X-Digest", hex.EncodeToString(sum[:]))
+		_, _ = w.Write(body)
+	}))
+	defer up.Close()
+	e := start(t, policyDoc("upload", anyRule), &upstream{Server: up}, nil)
+	body := make([]byte, 5<<20)
+	_, _ = rand.Read(body)
+	want := sha256.Sum256(body)
+	for name, reader := range map[string]io.Reader{
+		"known length": bytes.NewReader(body),
+		"chunked":      io.MultiReader(bytes.NewReader(body[:1<<20]), bytes.NewReader(body[1<<20:])),
+	} {
+		resp, err := client.Post(e.proxy+"/upload", "application/octet-stream", reader)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		echoed, err := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if err != nil || resp.StatusCode != http.StatusOK || resp.Header.Get("X-Digest") != hex.EncodeToString(want[:]) || sha256.Sum256(echoed) != want {
+			t.Errorf("%s: status %d, upstream digest %s, %d bytes back (%v), want the 5 MiB body both ways", name, resp.StatusCode, resp.Header.Get("X-Digest"), len(echoed), err)
+		}
+	}
+}
+
+// An upstream that cannot be reached is a 502 that still carries the decision's fields.
+func TestProxyWhenTheUpstreamIsDownThen502WithRateLimitFields(t *testing.T) {
+	dead := httptest.NewServer(http.NotFoundHandler())
+	dead.Close()
+	e := start(t, policyDoc("down", anyRule), &upstream{Server: dead}, nil)
+	r := get(t, e.proxy+"/")
+	if r.StatusCode != http.StatusBadGateway || r.Header.Get("RateLimit") == "" {
+		t.Errorf("status %d, RateLimit %q; want 502 with the fields", r.StatusCode, r.Header.Get("RateLimit"))
+	}
+}
+
+// A client that does not finish its header block within the read timeout gets 408, on the proxy
+// and the check API.
+func TestEnforcerWhenAHeaderBlockIsTooSlowThen408(t *testing.T) {
+	e := start(t, policyDoc("slow", anyRule), newUpstream(t), nil, func(c *enforcer.Config) { c.ReadTimeout = 300 * time.Millisecond })
+	for name, addr := range map[string]string{"proxy": e.ProxyAddr, "check API": e.CheckAddr} {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+		_, _ = io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+		start := time.Now()
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		_ = conn.Close()
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
+			continue
+		}
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestTimeout || time.Since(start) > 3*time.Second {
+			t.Errorf("%s: %d after %v, want 408 after the 300ms read timeout", name, resp.StatusCode, time.Since(start))
+		}
+	}
+}
+
+// Request paths are decided as the upstream resolves them: dot segments cannot slip a request
+// past a rule that matches its resolved path.
+func TestProxyWhenThePathHasDotSegmentsThenTheRuleOfTheResolvedPathApplies(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("dots", `    - name: admin
+      match: {path: {type: Prefix, value: /admin}}
+      fixedWindow: {limit: 1, window: 1h}
+`), up, nil)
+	send := func(path string) int {
+		conn, err := net.Dial("tcp", e.ProxyAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = conn.Close() }()
+		_, _ = io.WriteString(conn, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	if s := send("/admin/users"); s != http.StatusOK {
+		t.Fatalf("first: %d", s)
+	}
+	for _, path := range []string{"/public/../admin/users", "/admin/./users", "//admin/users", "/%61dmin/users"} {
+		if s := send(path); s != http.StatusTooManyRequests {
+			t.Errorf("proxy, %s: %d, want 429: it is /admin/users to the upstream", path, s)
+		}
+		// The check API decides the original URI an ingress describes the same way.
+		if r := get(t, e.check+"/", "X-Original-Method", "GET", "X-Original-URL", path+"?q=1"); r.StatusCode != http.StatusTooManyRequests {
+			t.Errorf("check API, %s: %d, want 429", path, r.StatusCode)
+		}
+	}
+}
+
+// An ingress that gives up on a held check-API answer frees it at once.
+func TestCheckAPIWhenTheIngressLeavesWhileQueuedThenTheAnswerIsReleased(t *testing.T) {
+	e := start(t, policyDoc("leave-check", `    - name: queue
+      leakyBucket: {capacity: 5, drain: {requests: 1, period: 2s}}
+`), nil, nil)
+	describe := []string{"X-Original-Method", "GET", "X-Original-URL", "/"}
+	get(t, e.check+"/", describe...) // departs at once; the next waits 2s
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.check+"/", nil)
+	req.Header.Set(describe[0], describe[1])
+	req.Header.Set(describe[2], describe[3])
+	if resp, err := client.Do(req); err == nil {
+		_ = resp.Body.Close()
+		t.Fatalf("held answer sent before its wait: %d", resp.StatusCode)
+	}
+	assertNothingHeld(t, e)
+}
+
+// assertNothingHeld stops the enforcer and checks that the drain, which waits for every request
+// in flight, ends at once: no answer is held for a client that left.
+func assertNothingHeld(t *testing.T, e *running) {
+	t.Helper()
+	time.Sleep(50 * time.Millisecond) // the close reaches the socket
+	began := time.Now()
+	e.stop()
+	if err := e.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(began); d > time.Second {
+		t.Errorf("the drain took %v: a request whose client left was still held", d)
+	}
+}
