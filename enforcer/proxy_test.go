@@ -7,12 +7,16 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/sluice-dev/sluice/enforcer"
 )
@@ -212,5 +216,52 @@ func assertNothingHeld(t *testing.T, e *running) {
 	}
 	if d := time.Since(began); d > time.Second {
 		t.Errorf("the drain took %v: a request whose client left was still held", d)
+	}
+}
+
+// An operator finds a client's keys, and every key of a rule, from the admin port: the key names
+// are hashes, and /keys computes them.
+func TestAdminWhenAskedForAClientsKeysThenTheyAreTheKeysItsRequestsWrote(t *testing.T) {
+	opts := standalone(t)
+	e := start(t, policyDoc("keys", `    - name: per-client
+      key: [{type: Header, name: X-Client}]
+      fixedWindow: {limit: 10, window: 1h}
+    - name: uploads
+      match: {path: {type: Prefix, value: /upload}}
+      tokenBucket: {capacity: 5, refill: {tokens: 1, period: 1s}}
+`), newUpstream(t), opts)
+	if r := get(t, e.proxy+"/api", "X-Client", "alice"); r.StatusCode != http.StatusOK {
+		t.Fatal(r.StatusCode)
+	}
+	var reply struct {
+		Rules []struct{ Rule, ID, Pattern, Key string }
+	}
+	resp, err := client.Get(e.admin + "/keys?policy=test/keys&addr=127.0.0.1&path=/api&header=X-Client:alice")
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = json.NewDecoder(resp.Body).Decode(&reply)
+	_ = resp.Body.Close()
+	if err != nil || len(reply.Rules) != 2 {
+		t.Fatalf("/keys: %+v, %v", reply, err)
+	}
+	perClient, uploads := reply.Rules[0], reply.Rules[1]
+	if uploads.Key != "" || uploads.Pattern != "sl{*}"+uploads.ID || perClient.Key == "" {
+		t.Errorf("/keys: %+v; want a key for the matching rule only, and every rule's pattern", reply.Rules)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: opts.Addrs[0]})
+	defer func() { _ = rdb.Close() }()
+	ctx := context.Background()
+	if ttl, err := rdb.PTTL(ctx, perClient.Key).Result(); err != nil || ttl <= 0 {
+		t.Errorf("key %q of alice's request: TTL %v, %v; want the key the request wrote", perClient.Key, ttl, err)
+	}
+	if keys, err := rdb.Keys(ctx, perClient.Pattern).Result(); err != nil || len(keys) != 1 || keys[0] != perClient.Key {
+		t.Errorf("pattern %q finds %v (%v), want alice's key alone", perClient.Pattern, keys, err)
+	}
+	if len(perClient.Key) > 30 || strings.Contains(perClient.Key, "alice") {
+		t.Errorf("key %q: over the 30 bytes Redis keeps in one allocation, or holds the raw client key", perClient.Key)
+	}
+	if r := get(t, e.admin+"/keys?policy=test/other"); r.StatusCode != http.StatusNotFound {
+		t.Errorf("an unknown policy: %d, want 404", r.StatusCode)
 	}
 }

@@ -165,6 +165,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	admin.HandleFunc("/healthz", live)
 	admin.HandleFunc("/readyz", ready)
 	admin.HandleFunc(report.Path, e.serveReport)
+	admin.HandleFunc(KeysPath, e.serveKeys)
 	if cfg.Pprof {
 		admin.HandleFunc("/debug/pprof/", pprof.Index)
 		admin.HandleFunc("/debug/pprof/profile", pprof.Profile)

@@ -57,7 +57,7 @@ spec:
 	if res := l.Decide(ctx, req("/broken", "192.0.2.1")); res.Outcome != limiter.Allowed {
 		t.Fatalf("first request: %v", res.Outcome)
 	}
-	keys, err := rdb.Keys(ctx, "*broken*").Result()
+	keys, err := rdb.Keys(ctx, "sl{*}"+ps[0].Rules[0].StateKey).Result()
 	if err != nil || len(keys) != 1 {
 		t.Fatalf("keys of the broken rule: %v (%v)", keys, err)
 	}

@@ -39,7 +39,8 @@ type Policy struct {
 // Rule is a compiled rule.
 type Rule struct {
 	Name string
-	// StateKey names the rule's state in a store: its name and its Limit's Layout.
+	// StateKey names the rule's state in a store (store.RuleID): a hash of its policy, its name
+	// and its Limit's Layout.
 	StateKey string
 	Limit    algorithm.Limit
 	Cost     int64
@@ -107,6 +108,9 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 		seen[r.Name] = true
 		rule, rerrs := compileRule(r, path, defaultOpen)
 		errs = append(errs, rerrs...)
+		if len(rerrs) == 0 {
+			rule.StateKey = RuleID(out.ID, rule.Name, rule.Limit.Layout())
+		}
 		out.Rules = append(out.Rules, rule)
 	}
 	for i, cidr := range p.Spec.TrustedProxies {
@@ -244,7 +248,6 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	}
 	if len(errs) == 0 {
 		rule.Fields = newFields(&rule)
-		rule.StateKey = rule.Name + ":" + rule.Limit.Layout()
 	}
 	return rule, errs
 }

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
+	"github.com/sluice-dev/sluice/enforcer/policy"
 	"github.com/sluice-dev/sluice/enforcer/store"
 	"github.com/sluice-dev/sluice/test/redistest"
 )
@@ -160,7 +161,7 @@ func BenchmarkRedisBenchmarkCeiling(b *testing.B) {
 	b.ResetTimer()
 	for b.Loop() {
 		out, err := exec.Command("redis-benchmark", "-h", host, "-p", port, "-c", "64", "-n", strconv.Itoa(n), "-r", "100000", "-q",
-			"EVALSHA", sha, "1", "sluice:{bench/ceiling:__rand_int__}:r0", "", "id", "1", "1073741824", "1073741824", "3600000000", "0", "1", "1").CombinedOutput()
+			"EVALSHA", sha, "1", "sl{c__rand_int__}AbCdEfGh", "", "id", "1", "1073741824", "1073741824", "3600000000", "0", "1", "1").CombinedOutput()
 		if err != nil {
 			b.Fatalf("redis-benchmark: %v: %s", err, out)
 		}
@@ -198,7 +199,7 @@ func BenchmarkRedisMemoryPerKey(b *testing.B) {
 					wg.Go(func() {
 						out := make([]algorithm.Decision, 1)
 						for i := next.Add(1); i <= keys; i = next.Add(1) {
-							checks := []store.Check{{Limit: l, Cost: cost, Enforce: true, Tag: store.Tag("bench/mem", strconv.FormatInt(i, 10)), Rule: "per-client"}}
+							checks := []store.Check{{Limit: l, Cost: cost, Enforce: true, Tag: store.Tag("bench/mem", strconv.FormatInt(i, 10)), Rule: policy.RuleID("bench/mem", "per-client", l.Layout())}}
 							if _, err := s.Decide(context.Background(), checks, out); err != nil {
 								b.Error(err)
 								return
@@ -211,7 +212,7 @@ func BenchmarkRedisMemoryPerKey(b *testing.B) {
 				var usage int64
 				const sample = 2000
 				for i := range sample {
-					k := store.Check{Tag: store.Tag("bench/mem", strconv.Itoa(i+1)), Rule: "per-client"}
+					k := store.Check{Tag: store.Tag("bench/mem", strconv.Itoa(i+1)), Rule: policy.RuleID("bench/mem", "per-client", l.Layout())}
 					usage += c.MemoryUsage(context.Background(), k.Key()).Val()
 				}
 				b.ReportMetric(float64(usage)/sample, "MEMORY-USAGE-B/key")

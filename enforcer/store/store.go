@@ -22,17 +22,19 @@ type Check struct {
 	// Enforce is false for shadow rules: they never cause a refusal, and are charged only when
 	// they allow, as if each were the only rule.
 	Enforce bool
-	// Tag identifies the client within its policy, "<namespace>/<policy>:<hashed client key>".
-	// The Redis key of a check is sluice:{Tag}:Rule, so rules that share a client key share a
-	// Redis Cluster hash slot.
+	// Tag identifies the client within its policy (see Tag). The Redis key of a check is
+	// sl{Tag}Rule, so rules that share a client key share a Redis Cluster hash slot.
 	Tag string
-	// Rule names the rule's state: the rule's name and its algorithm's state layout,
-	// "<name>:<layout>" (policy.Rule.StateKey).
+	// Rule names the rule's state (policy.RuleID).
 	Rule string
 }
 
-// Key is the Redis key of the check.
-func (c *Check) Key() string { return "sluice:{" + c.Tag + "}:" + c.Rule }
+// KeyPrefix starts every Redis key of Sluice's.
+const KeyPrefix = "sl"
+
+// Key is the Redis key of the check: sl{<tag>}<rule>, 28 bytes. Redis keeps a key of up to 30
+// bytes in one 32-byte allocation: a shorter name would save nothing, a longer one 16 bytes.
+func (c *Check) Key() string { return KeyPrefix + "{" + c.Tag + "}" + c.Rule }
 
 // Store decides requests.
 type Store interface {

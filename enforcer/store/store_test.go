@@ -240,6 +240,37 @@ func TestStoresWhenDrivenByTheSameScriptThenDecideIdentically(t *testing.T) {
 	}
 }
 
+// Counts above what the compact state encodings hold (a sliding window counter packs counts below
+// 2^25 into one integer, and falls back to text above) decide as the Go algorithms do, across
+// the switch between the two, on every store.
+func TestStoresWhenCountsAreLargeThenTheWideEncodingsDecideIdentically(t *testing.T) {
+	start := time.Unix(1_700_000_000, 123_456_000)
+	steps := randomSteps(rand.New(rand.NewPCG(11, 3)), 300, 1)
+	for i := range steps {
+		steps[i].costs[0] *= 12_000_000 // up to 36,000,000 a request, against 2^25 = 33,554,432
+	}
+	for _, l := range allKinds(100_000_000, 2*time.Second) {
+		if l.Kind == algorithm.SlidingLog {
+			continue // a member per unit: counts this large are not its use
+		}
+		t.Run(l.Kind.String(), func(t *testing.T) {
+			var want []outcome
+			for _, tg := range targets() {
+				clock := &fakeClock{now: start}
+				cs := []store.Check{{Limit: l, Enforce: true, Rule: "r", Tag: uniqueTag(t, tg.name)}}
+				got := play(t, tg.make(t, clock.Now), clock, cs, steps)
+				if want == nil {
+					want = got
+					continue
+				}
+				if diff := cmp.Diff(want, got); diff != "" {
+					t.Errorf("%s decides differently from memory (-memory +%s):\n%s", tg.name, tg.name, diff)
+				}
+			}
+		})
+	}
+}
+
 // 1,000 requests from 50 goroutines against a limit of 100 with negligible refill admit exactly
 // 100, on every store, for every algorithm, 20 times over.
 func TestStoresWhenFiftyGoroutinesRaceThenExactlyTheLimitPasses(t *testing.T) {
@@ -555,16 +586,20 @@ func TestDecodeWhenReplyIsUnexpectedThenErrorNotPanic(t *testing.T) {
 func TestTagWhenClientKeyHasAnyBytesThenLayoutHoldsAndRawKeyIsAbsent(t *testing.T) {
 	for _, key := range []string{"sk_live_SECRET", "}{:\x00\n", "", strings.Repeat("x", 10_000)} {
 		tag := store.Tag("ns/policy", key)
-		c := store.Check{Tag: tag, Rule: "r"}
+		c := store.Check{Tag: tag, Rule: "AbCdEf_-"}
 		k := c.Key()
-		if strings.Count(k, "{") != 1 || strings.Count(k, "}") != 1 || !strings.HasPrefix(k, "sluice:{ns/policy:") {
+		if len(tag) != 16 || k != "sl{"+tag+"}AbCdEf_-" || strings.ContainsAny(tag, "{}") {
 			t.Errorf("client key %q breaks the layout: %q", key, k)
 		}
 		if key != "" && strings.Contains(k, key) {
 			t.Errorf("raw client key %q appears in %q", key, k)
 		}
 	}
-	if a, again := store.Tag("p", "a"), store.Tag("p", "a"); a == store.Tag("p", "b") || a != again {
-		t.Error("tags do not tell client keys apart deterministically")
+	if a, again := store.Tag("p", "a"), store.Tag("p", "a"); a == store.Tag("p", "b") || a != again || a == store.Tag("q", "a") {
+		t.Error("tags do not tell client keys and policies apart deterministically")
+	}
+	// The policy and the client key are hashed apart: no pair imitates another.
+	if store.Tag("ns/a", "b") == store.Tag("ns/ab", "") {
+		t.Error("policy ns/a with client b shares a tag with policy ns/ab and no client")
 	}
 }

@@ -13,11 +13,16 @@
 -- State, one key per rule, always with a TTL of the time after which it is idle again. The TTL
 -- only collects garbage: window indexes are stored in the values, so a key that outlives its
 -- window is never misread.
---   token bucket, leaky bucket: string "T"        (theoretical arrival / next free departure)
+--   token bucket, leaky bucket: 8 bytes, the double T (theoretical arrival / next free
+--                               departure) as struct.pack('<d') writes it: exact, and 16 bytes
+--                               of Redis memory less than its 17 digits of text
 --   fixed window:               integer (W mod 2^22) * 2^31 + N (window index, count): an integer
 --                               value costs Redis 16 bytes less than text; N < 2^31 and the key
 --                               lives at most one window, so the index modulo 2^22 is unambiguous
---   sliding window counter:     string "W N P"    (window index, current count, previous count)
+--   sliding window counter:     integer ((W mod 4) * 2^25 + N) * 2^25 + P (window index, current
+--                               count, previous count) while both counts are below 2^25; the key
+--                               lives at most two windows, so the index modulo 4 is unambiguous.
+--                               Larger counts: string "W N P". Both are read whatever the limit.
 --   sliding log:                sorted set of members id:j scored by admission time
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
@@ -39,8 +44,31 @@ local LAST_SHARE = 0.5
 -- A fixed window's value packs its window index modulo FW_WINDOWS above a count below FW_SHIFT;
 -- both fit the 53 bits a Lua number holds exactly. Limits are at most 10^9 < 2^31.
 local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
+-- The sliding window counter's packing: counts below SW_SHIFT, the window index modulo SW_WINDOWS.
+local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
 local function us(x) if x <= 0 then return 0 end return ceil(x) end
+
+-- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
+-- current count and previous count.
+local function swcRead(v)
+  local n = tonumber(v)
+  if n then
+    local w = floor(n / (SW_SHIFT * SW_SHIFT))
+    local rest = n - w * SW_SHIFT * SW_SHIFT
+    local c = floor(rest / SW_SHIFT)
+    return w, c, rest - c * SW_SHIFT
+  end
+  local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
+  return tonumber(w), tonumber(c), tonumber(p)
+end
+
+local function swcWrite(idx, cur, prev)
+  if cur < SW_SHIFT and prev < SW_SHIFT then
+    return fmt(((idx % SW_WINDOWS) * SW_SHIFT + cur) * SW_SHIFT + prev)
+  end
+  return fmt(idx) .. ' ' .. fmt(cur) .. ' ' .. fmt(prev)
+end
 local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 
 -- evaluate decides rule i for a request of cost units. It returns allowed, remaining, reset_us,
@@ -56,7 +84,9 @@ local function evaluate(i, cost)
   if kind == 1 or kind == 2 then
     local interval = period / rate
     local span = limit * interval
-    local t = tonumber(redis.call('GET', key) or '0')
+    local v = redis.call('GET', key)
+    local t = 0
+    if v then t = struct.unpack('<d', v) end
     local nt = t
     if kind == 1 then
       local base = max(t, now)
@@ -82,7 +112,7 @@ local function evaluate(i, cost)
     local ahead = max(nt, now) - now
     remaining = max(0, floor((span - ahead) / interval))
     reset = us(ahead)
-    if allowed and cost > 0 then write = {fmt(nt)} end
+    if allowed and cost > 0 then write = {struct.pack('<d', nt)} end
 
   elseif kind == 3 then
     local idx = floor(now / period)
@@ -111,12 +141,12 @@ local function evaluate(i, cost)
     local cur, prev = 0, 0
     local v = redis.call('GET', key)
     if v then
-      local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
-      w = tonumber(w)
-      if w == idx then
-        cur, prev = tonumber(c), tonumber(p)
-      elseif w == idx - 1 then
-        prev = tonumber(c)
+      local w, c, p = swcRead(v)
+      local n = tonumber(v)
+      if (n and w == idx % SW_WINDOWS) or (not n and w == idx) then
+        cur, prev = c, p
+      elseif (n and w == (idx - 1) % SW_WINDOWS) or (not n and w == idx - 1) then
+        prev = c
       end
     end
     -- The previous window's weighted part counts as none once it is worth half a unit or less
@@ -129,7 +159,7 @@ local function evaluate(i, cost)
       if cost > 0 then
         cur = cur + cost
         est = est + cost
-        write = {fmt(idx) .. ' ' .. fmt(cur) .. ' ' .. fmt(prev)}
+        write = {swcWrite(idx, cur, prev)}
       end
     elseif limit - cur - cost >= 0 then
       local room = max(limit - cur - cost, LAST_SHARE)

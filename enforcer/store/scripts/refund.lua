@@ -11,8 +11,9 @@ local floor = math.floor
 local now = tonumber(ARGV[1])
 local id = ARGV[2]
 local function fmt(x) return string.format('%.17g', x) end
--- The fixed window's packing, as in decide.lua.
+-- The fixed window's and the sliding window counter's packings, as in decide.lua.
 local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
+local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
 for i = 1, #KEYS do
   local b = 3 + (i - 1) * 4
@@ -23,7 +24,7 @@ for i = 1, #KEYS do
   if kind ~= 4 then v = redis.call('GET', key) end -- kind 4 is a sorted set
   if kind == 1 or kind == 2 then
     if v then
-      redis.call('SET', key, fmt(tonumber(v) - cost * (period / rate)), 'KEEPTTL')
+      redis.call('SET', key, struct.pack('<d', struct.unpack('<d', v) - cost * (period / rate)), 'KEEPTTL')
     end
   elseif kind == 3 then
     if v then
@@ -36,14 +37,28 @@ for i = 1, #KEYS do
     end
   elseif kind == 5 then
     if v then
-      local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
       local idx = floor(now / period)
-      if tonumber(w) == idx then
-        c = fmt(math.max(0, tonumber(c) - cost))
-      elseif tonumber(w) == idx + 1 then
-        p = fmt(math.max(0, tonumber(p) - cost))
+      local n = tonumber(v)
+      if n then
+        local w = floor(n / (SW_SHIFT * SW_SHIFT))
+        local rest = n - w * SW_SHIFT * SW_SHIFT
+        local c = floor(rest / SW_SHIFT)
+        local p = rest - c * SW_SHIFT
+        if w == idx % SW_WINDOWS then
+          c = math.max(0, c - cost)
+        elseif w == (idx + 1) % SW_WINDOWS then
+          p = math.max(0, p - cost)
+        end
+        redis.call('SET', key, fmt((w * SW_SHIFT + c) * SW_SHIFT + p), 'KEEPTTL')
+      else
+        local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
+        if tonumber(w) == idx then
+          c = fmt(math.max(0, tonumber(c) - cost))
+        elseif tonumber(w) == idx + 1 then
+          p = fmt(math.max(0, tonumber(p) - cost))
+        end
+        redis.call('SET', key, w .. ' ' .. c .. ' ' .. p, 'KEEPTTL')
       end
-      redis.call('SET', key, w .. ' ' .. c .. ' ' .. p, 'KEEPTTL')
     end
   elseif kind == 4 then
     for j = 1, cost do
