@@ -96,7 +96,9 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	}
 	// The body of a long upload arrives while the request is forwarded, past the deadline the
 	// server set for reading the request.
-	_ = ctx.Conn().SetReadDeadline(time.Time{})
+	if req.IsBodyStream() {
+		_ = ctx.Conn().SetReadDeadline(time.Time{})
+	}
 	if err := p.client.Do(req, &ctx.Response); err != nil {
 		ctx.Response.Reset()
 		ctx.SetStatusCode(http.StatusBadGateway)
@@ -113,14 +115,15 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 // -Proto set.
 func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 	h := &req.Header
-	host := append([]byte(nil), h.Host()...)
+	var buf [256]byte
+	host := append(buf[:0], h.Host()...)
 	removeHopHeaders(h)
-	peer := remoteAddr(ctx).String()
+	xff := buf[len(host):len(host)]
 	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
-		h.Set("X-Forwarded-For", string(prior)+", "+peer)
-	} else {
-		h.Set("X-Forwarded-For", peer)
+		xff = append(append(xff, prior...), ", "...)
 	}
+	xff = remoteAddr(ctx).AppendTo(xff)
+	h.SetBytesV("X-Forwarded-For", xff)
 	h.SetBytesV("X-Forwarded-Host", host)
 	h.Set("X-Forwarded-Proto", "http")
 	if p.upstream.Path != "" && p.upstream.Path != "/" {
@@ -146,10 +149,18 @@ type header interface {
 // keeps Connection and Transfer-Encoding out of its header map and writes them itself, so
 // deleting them here changes only what it would copy.
 func removeHopHeaders(h header) {
-	if c := h.Peek("Connection"); len(c) > 0 {
-		for f := range bytes.SplitSeq(c, []byte(",")) {
-			if name := string(bytes.TrimSpace(f)); name != "" && !strings.EqualFold(name, "close") && !strings.EqualFold(name, "keep-alive") {
-				h.Del(name)
+	var buf [128]byte
+	// A copy: deleting fields moves the header's bytes that Peek points into.
+	if c := append(buf[:0], h.Peek("Connection")...); len(c) > 0 {
+		for len(c) > 0 {
+			f := c
+			if i := bytes.IndexByte(c, ','); i >= 0 {
+				f, c = c[:i], c[i+1:]
+			} else {
+				c = nil
+			}
+			if f = bytes.TrimSpace(f); len(f) > 0 && !bytes.EqualFold(f, []byte("close")) && !bytes.EqualFold(f, []byte("keep-alive")) {
+				h.Del(string(f))
 			}
 		}
 	}

@@ -136,13 +136,26 @@ type matched struct {
 	policy string
 }
 
+// decideBufs hold one decision's checks, rules and decisions. They reach the store through an
+// interface, so arrays on Decide's stack would escape, a kilobyte of garbage per request; a pool
+// keeps them. Nothing keeps a reference once Decide returns: the Redis store copies what it
+// sends, and the refusal cache copies the keys.
+type decideBufs struct {
+	checks [8]store.Check
+	rules  [8]matched
+	out    [8]algorithm.Decision
+}
+
+var bufPool = sync.Pool{New: func() any { return new(decideBufs) }}
+
 // Decide decides one request.
 func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
-	var (
-		checkBuf [8]store.Check
-		ruleBuf  [8]matched
-	)
-	checks, rules := checkBuf[:0], ruleBuf[:0]
+	bufs := bufPool.Get().(*decideBufs)
+	defer func() {
+		*bufs = decideBufs{} // no strings or rules kept alive by the pool
+		bufPool.Put(bufs)
+	}()
+	checks, rules := bufs.checks[:0], bufs.rules[:0]
 	for _, p := range *l.policies.Load() {
 		var addr netip.Addr
 		var lastKey, lastTag string // rules of a policy often share their client key
@@ -169,9 +182,8 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		return res
 	}
 
-	var outBuf [8]algorithm.Decision
-	out := outBuf[:0]
-	if len(checks) > len(outBuf) {
+	out := bufs.out[:0]
+	if len(checks) > len(bufs.out) {
 		out = make([]algorithm.Decision, 0, len(checks))
 	}
 	out = out[:len(checks)]
