@@ -21,6 +21,8 @@ work=$(mktemp -d)
 pids=()
 cleanup() {
 	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+	# The enforcers drain before they exit: wait, so the next run finds the ports free.
+	for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
 	nginx -p "$work" -c nginx.conf -s stop 2>/dev/null || true
 	rm -rf "$work"
 }

@@ -159,6 +159,22 @@ const (
 
 func micros(d time.Duration) float64 { return float64(d.Microseconds()) }
 
+// fmax and fmin compare as Lua's math.max and math.min do, which the Redis script uses; unlike
+// math.Max they need no NaN or signed-zero handling (no state or time is NaN), and they inline.
+func fmax(a, b float64) float64 {
+	if a > b {
+		return a
+	}
+	return b
+}
+
+func fmin(a, b float64) float64 {
+	if a < b {
+		return a
+	}
+	return b
+}
+
 // dur turns a non-negative span of microseconds into a duration, rounded up so that a client
 // that waits it is never early.
 func dur(us float64) time.Duration {
@@ -174,7 +190,7 @@ func dur(us float64) time.Duration {
 func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) {
 	interval := micros(l.Period) / float64(l.Rate)
 	span := float64(l.Limit) * interval
-	base := math.Max(st.T, now)
+	base := fmax(st.T, now)
 	need := base - now + float64(float64(cost)*interval)
 	d := Decision{Limit: l.Limit, Allowed: need <= span+slackMicros}
 	if d.Allowed {
@@ -184,8 +200,8 @@ func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) 
 	} else {
 		d.RetryAfter = dur(need - span)
 	}
-	ahead := math.Max(st.T, now) - now
-	d.Remaining = int64(math.Max(0, math.Floor((span-ahead)/interval)))
+	ahead := fmax(st.T, now) - now
+	d.Remaining = int64(fmax(0, math.Floor((span-ahead)/interval)))
 	d.Reset = dur(ahead)
 	return st, d
 }
@@ -197,7 +213,7 @@ func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) 
 	interval := micros(l.Period) / float64(l.Rate)
 	span := float64(l.Limit) * interval
 	maxWait := micros(l.MaxWait)
-	start := math.Max(st.T, now)
+	start := fmax(st.T, now)
 	wait := start - now
 	own := float64(float64(cost) * interval)
 	d := Decision{Limit: l.Limit, Allowed: wait+own <= span+slackMicros && wait <= maxWait+slackMicros}
@@ -208,10 +224,10 @@ func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) 
 		}
 	} else {
 		// The same request passes once the queue ahead of it is short enough for both bounds.
-		d.RetryAfter = dur(start - math.Min(span-own, maxWait) - now)
+		d.RetryAfter = dur(start - fmin(span-own, maxWait) - now)
 	}
-	ahead := math.Max(st.T, now) - now
-	d.Remaining = int64(math.Max(0, math.Floor((span-ahead)/interval)))
+	ahead := fmax(st.T, now) - now
+	d.Remaining = int64(fmax(0, math.Floor((span-ahead)/interval)))
 	d.Reset = dur(ahead)
 	return st, d
 }
@@ -290,12 +306,12 @@ func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, D
 	} else if room := limit - cur - c; room >= 0 {
 		// Within this window, once enough of the previous window has slid out: down to room
 		// units, or to the share that counts as none.
-		d.RetryAfter = dur(start + window - math.Max(room, lastShare)*window/prev - now)
+		d.RetryAfter = dur(start + window - fmax(room, lastShare)*window/prev - now)
 	} else {
 		// In the next window, where the current count becomes the weighted one.
-		d.RetryAfter = dur(start + window + math.Max(0, window-(limit-c)*window/cur) - now)
+		d.RetryAfter = dur(start + window + fmax(0, window-(limit-c)*window/cur) - now)
 	}
-	d.Remaining = int64(math.Max(0, math.Floor(limit-est)))
+	d.Remaining = int64(fmax(0, math.Floor(limit-est)))
 	switch {
 	case cur > 0:
 		d.Reset = dur(start + 2*window - now)
