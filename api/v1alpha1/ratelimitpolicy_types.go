@@ -84,6 +84,11 @@ type RateLimitPolicySpec struct {
 	// enforcer shapes the enforcer Deployment.
 	// +optional
 	Enforcer *EnforcerSpec `json:"enforcer,omitempty"`
+
+	// retries shapes how retried requests are treated: repeats of one request by idempotency
+	// key, and spread-out Retry-After values for refused clients.
+	// +optional
+	Retries *Retries `json:"retries,omitempty"`
 }
 
 // TargetRef names a Service port in the policy's namespace.
@@ -559,6 +564,53 @@ type ManagedRedis struct {
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 }
+
+// Retries shapes how retried requests are treated.
+type Retries struct {
+	// idempotencyKey recognizes repeats of a request by a header the client sends with the same
+	// value on every retry (the IETF Idempotency-Key draft, Stripe's API): a repeat of an
+	// admitted request passes without being charged again, a repeat of a refused one is refused
+	// the same way until its Retry-After, and a bounded number of free repeats keeps the header
+	// from becoming a way around the limits. Absent: every request is charged.
+	// +optional
+	IdempotencyKey *IdempotencyKey `json:"idempotencyKey,omitempty"`
+
+	// retryAfterJitterPercent adds to the Retry-After of each refusal, and to the t of its
+	// RateLimit field, a random share of up to this many percent, so that clients refused together
+	// do not all come back together. The value stays an upper bound: a request sent at the
+	// advertised time passes, as without jitter. Absent: no jitter.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	RetryAfterJitterPercent *int32 `json:"retryAfterJitterPercent,omitempty"`
+}
+
+// IdempotencyKey says how repeats of a request are recognized and how many pass free.
+// +kubebuilder:validation:XValidation:rule="!has(self.window) || !self.window.matches('^([0-9]{1,10}(h|m|s|ms)){1,4}$') || (duration(self.window) >= duration('1s') && duration(self.window) <= duration('24h'))",message="window must be at least 1s and at most 24h",fieldPath=".window"
+type IdempotencyKey struct {
+	// header is the request header that carries the key. Absent: Idempotency-Key.
+	// +optional
+	Header *HeaderName `json:"header,omitempty"`
+
+	// window is how long a request's record is kept: repeats within it are recognized. From 1s
+	// to 24h. Absent: 10m.
+	// +optional
+	Window *Duration `json:"window,omitempty"`
+
+	// maxRepeats is how many repeats of an admitted request pass without being charged; the
+	// repeats after them are charged like new requests. Absent: 3.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	MaxRepeats *int32 `json:"maxRepeats,omitempty"`
+}
+
+// Defaults of spec.retries.idempotencyKey.
+const (
+	DefaultIdempotencyHeader     HeaderName = "Idempotency-Key"
+	DefaultIdempotencyWindow     Duration   = "10m"
+	DefaultIdempotencyMaxRepeats int32      = 3
+)
 
 // EnforcerSpec shapes the enforcer Deployment.
 type EnforcerSpec struct {

@@ -5,6 +5,7 @@ package limiter
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"net/netip"
 	"sync"
 	"sync/atomic"
@@ -156,8 +157,18 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		bufPool.Put(bufs)
 	}()
 	checks, rules := bufs.checks[:0], bufs.rules[:0]
+	var idemKey string // the first idempotency key the request sends, of the policies asking
 	for _, p := range *l.policies.Load() {
 		var addr netip.Addr
+		var idem *store.Idempotency
+		if p.Idempotency != nil {
+			if v := req.Header.Values(p.Idempotency.Header); len(v) > 0 && v[0] != "" {
+				if idemKey == "" {
+					idemKey = v[0]
+				}
+				idem = &store.Idempotency{Key: store.IdempotencyKey(v[0]), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
+			}
+		}
 		var lastKey, lastTag string // rules of a policy often share their client key
 		for i := range p.Rules {
 			r := &p.Rules[i]
@@ -170,7 +181,7 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
 			}
-			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey})
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
 			rules = append(rules, matched{r, p.ID})
 		}
 	}
@@ -178,8 +189,14 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		return Result{Outcome: Allowed}
 	}
 
-	if res, ok := l.cachedRefusal(checks, rules); ok {
-		return res
+	// A request that names its repeats is always asked of the store: a repeat of an admitted
+	// request passes whatever the limits say now, and a refusal the store forced on a repeat
+	// says nothing of the client's other requests, so neither may touch the refusal cache.
+	cache := idemKey == ""
+	if cache {
+		if res, ok := l.cachedRefusal(checks, rules); ok {
+			return jitter(res)
+		}
 	}
 
 	out := bufs.out[:0]
@@ -193,7 +210,21 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 	if err != nil {
 		return l.failureModes(rules, err)
 	}
-	return l.result(checks, rules, out, charged)
+	return jitter(l.result(checks, rules, out, charged, cache))
+}
+
+// jitter adds to a refusal's Retry-After, and to the reset its RateLimit field names, a random
+// share of up to its policy's spec.retries.retryAfterJitterPercent: clients refused together come
+// back spread out. Later than the limit requires is still honest: a request sent then passes.
+func jitter(res Result) Result {
+	if res.Outcome != Limited || res.Rule == nil || res.Rule.RetryJitter <= 0 {
+		return res
+	}
+	extra := time.Duration(rand.Float64() * res.Rule.RetryJitter * float64(res.RetryAfter))
+	res.RetryAfter += extra
+	res.Decision.RetryAfter = res.RetryAfter
+	res.Decision.Reset = max(res.Decision.Reset, res.RetryAfter)
+	return res
 }
 
 func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algorithm.Decision) (bool, error) {
@@ -236,7 +267,7 @@ func (l *Limiter) failureModes(rules []matched, err error) Result {
 	return res
 }
 
-func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.Decision, charged bool) Result {
+func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.Decision, charged, cache bool) Result {
 	res := Result{Outcome: Allowed}
 	closest := 2.0
 	for i, m := range rules {
@@ -254,7 +285,9 @@ func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.
 			if res.Outcome != Limited || d.RetryAfter > res.RetryAfter {
 				res = Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.policy, Decision: d}
 			}
-			l.refusals.put(&checks[i], d, l.now())
+			if cache {
+				l.refusals.put(&checks[i], d, l.now())
+			}
 		case charged:
 			l.metrics.decision(m.policy, m.rule.Name, resultAllowed)
 		}

@@ -34,6 +34,18 @@ type Policy struct {
 	ID             string
 	Rules          []Rule
 	TrustedProxies []netip.Prefix
+	// Idempotency, when set, recognizes repeats of a request (spec.retries.idempotencyKey).
+	Idempotency *Idempotency
+	// RetryJitter is the largest share (0 to 1) added at random to a refusal's Retry-After.
+	RetryJitter float64
+}
+
+// Idempotency is a compiled spec.retries.idempotencyKey.
+type Idempotency struct {
+	// Header is canonical.
+	Header     string
+	Window     time.Duration
+	MaxRepeats int64
 }
 
 // Rule is a compiled rule.
@@ -50,6 +62,8 @@ type Rule struct {
 	Key      []KeySource
 	// Fields are the rule's RateLimit header members.
 	Fields Fields
+	// RetryJitter is its policy's (Policy.RetryJitter).
+	RetryJitter float64
 }
 
 // Match selects requests; the zero Match selects all.
@@ -121,7 +135,53 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 		}
 		out.TrustedProxies = append(out.TrustedProxies, prefix.Masked())
 	}
+	if r := p.Spec.Retries; r != nil {
+		path := spec.Child("retries")
+		if r.RetryAfterJitterPercent != nil {
+			if j := *r.RetryAfterJitterPercent; j < 1 || j > 100 {
+				errs = append(errs, field.Invalid(path.Child("retryAfterJitterPercent"), j, "must be from 1 to 100"))
+			} else {
+				out.RetryJitter = float64(j) / 100
+			}
+		}
+		if k := r.IdempotencyKey; k != nil {
+			out.Idempotency, errs = compileIdempotency(k, path.Child("idempotencyKey"), errs)
+		}
+		for i := range out.Rules {
+			out.Rules[i].RetryJitter = out.RetryJitter
+		}
+	}
 	errs = append(errs, validateSpec(&p.Spec, spec)...)
+	return out, errs
+}
+
+// Bounds of spec.retries.idempotencyKey.window.
+const (
+	MinIdempotencyWindow = time.Second
+	MaxIdempotencyWindow = 24 * time.Hour
+)
+
+func compileIdempotency(k *v1alpha1.IdempotencyKey, path *field.Path, errs field.ErrorList) (*Idempotency, field.ErrorList) {
+	out := &Idempotency{Header: string(v1alpha1.DefaultIdempotencyHeader), MaxRepeats: int64(v1alpha1.DefaultIdempotencyMaxRepeats)}
+	if k.Header != nil {
+		out.Header = http.CanonicalHeaderKey(string(*k.Header))
+	}
+	window := v1alpha1.DefaultIdempotencyWindow
+	if k.Window != nil {
+		window = *k.Window
+	}
+	before := len(errs)
+	out.Window = duration(window, path.Child("window"), &errs)
+	if len(errs) == before && (out.Window < MinIdempotencyWindow || out.Window > MaxIdempotencyWindow) {
+		errs = append(errs, field.Invalid(path.Child("window"), window, "window must be at least 1s and at most 24h"))
+	}
+	if k.MaxRepeats != nil {
+		if m := *k.MaxRepeats; m < 1 || m > 100 {
+			errs = append(errs, field.Invalid(path.Child("maxRepeats"), m, "must be from 1 to 100"))
+		} else {
+			out.MaxRepeats = int64(m)
+		}
+	}
 	return out, errs
 }
 

@@ -161,7 +161,7 @@ func BenchmarkRedisBenchmarkCeiling(b *testing.B) {
 	b.ResetTimer()
 	for b.Loop() {
 		out, err := exec.Command("redis-benchmark", "-h", host, "-p", port, "-c", "64", "-n", strconv.Itoa(n), "-r", "100000", "-q",
-			"EVALSHA", sha, "1", "sl{c__rand_int__}AbCdEfGh", "", "id", "1", "1073741824", "1073741824", "3600000000", "0", "1", "1").CombinedOutput()
+			"EVALSHA", sha, "1", "sl{c__rand_int__}AbCdEfGh", "", "id", "", "1", "1073741824", "1073741824", "3600000000", "0", "1", "1").CombinedOutput()
 		if err != nil {
 			b.Fatalf("redis-benchmark: %v: %s", err, out)
 		}

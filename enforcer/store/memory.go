@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"hash/maphash"
+	"math"
 	"sync"
 	"time"
 
@@ -38,7 +39,16 @@ type Memory struct {
 type shard struct {
 	mu sync.Mutex
 	m  map[memoryKey]*memoryEntry
-	_  [40]byte // keep shards on separate cache lines
+	// records are the idempotency records of the shard's clients, bounded like m.
+	records map[memoryKey]*idemRecord
+	_       [32]byte // keep shards on separate cache lines
+}
+
+// idemRecord is what decide.lua keeps in a request's record: the repeats seen of an admitted
+// request, or -1 for a refused one; expiresAt is its TTL, in microseconds.
+type idemRecord struct {
+	seen      int64
+	expiresAt float64
 }
 
 type memoryKey struct{ tag, rule string }
@@ -70,6 +80,7 @@ func NewMemory(opts MemoryOptions) *Memory {
 	}
 	for i := range s.shards {
 		s.shards[i].m = make(map[memoryKey]*memoryEntry)
+		s.shards[i].records = make(map[memoryKey]*idemRecord)
 	}
 	if opts.SweepInterval > 0 {
 		go s.sweepEvery(opts.SweepInterval)
@@ -91,7 +102,7 @@ const commonChecks = 32
 
 // Decide implements Store.
 func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
-	if len(checks) == 1 {
+	if len(checks) == 1 && checks[0].Idempotency == nil {
 		return s.decideOne(&checks[0], out)
 	}
 	var idxBuf, lockedBuf [commonChecks]int
@@ -129,26 +140,105 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		states = make([]algorithm.State, 0, len(checks))
 	}
 	now := algorithm.Micros(s.now())
+	// The idempotency record, under the first check that names one, as decide.lua keeps it.
+	var rsh *shard
+	var rkey memoryKey
+	var rec *idemRecord
+	var idem *Idempotency
+	for i := range checks {
+		if c := &checks[i]; c.Idempotency != nil {
+			idem, rsh, rkey = c.Idempotency, &s.shards[idx[i]], memoryKey{c.Tag, c.Idempotency.Key}
+			if rec = rsh.records[rkey]; rec != nil && rec.expiresAt <= now {
+				delete(rsh.records, rkey)
+				rec = nil
+			}
+			break
+		}
+	}
+	if rec != nil && rec.seen >= 0 && rec.seen < idem.MaxRepeats {
+		// A free repeat of an admitted request: it passes, and nothing is charged.
+		rec.seen++
+		for i := range checks {
+			c := &checks[i]
+			_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
+			out[i].Allowed, out[i].Wait = true, 0
+		}
+		return true, nil
+	}
 	for i := range checks {
 		c := &checks[i]
 		st, d := c.Limit.Take(s.shards[idx[i]].state(c), now, c.Cost)
 		states, out[i] = append(states, st), d
 	}
-	if !charged(checks, out) {
+	refusedRepeat := rec != nil && rec.seen < 0
+	if refusedRepeat && charged(checks, out) {
+		// A repeat of a refused request before its Retry-After, which no limit refuses now:
+		// refused the same way, by the first enforced rule, until the record ends.
+		for i := range checks {
+			if c := &checks[i]; c.Enforce {
+				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
+				out[i].Allowed, out[i].RetryAfter = false, time.Duration(max(1, rec.expiresAt-now))*time.Microsecond
+				break
+			}
+		}
+	}
+	if refusedRepeat || !charged(checks, out) {
 		// Nothing is charged, so the rules that would have allowed report their state as it
 		// stays: what a cost-0 check sees.
+		var retry time.Duration
 		for i := range checks {
 			if c := &checks[i]; out[i].Allowed && c.Cost > 0 {
 				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
 				out[i].Allowed = true
+			} else if !out[i].Allowed && c.Enforce {
+				retry = max(retry, out[i].RetryAfter)
 			}
+		}
+		if idem != nil && rec == nil {
+			// The first refusal of this request: its repeats are refused until its Retry-After,
+			// in whole milliseconds as Redis keeps the record's TTL.
+			s.makeRecordRoom(rsh, now)
+			ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
+			rsh.records[rkey] = &idemRecord{seen: -1, expiresAt: now + ms*1000}
 		}
 		return false, nil
 	}
 	for i := range checks {
 		s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
 	}
+	if idem != nil {
+		if rec != nil {
+			rec.seen++ // a charged repeat, past the free ones
+		} else {
+			s.makeRecordRoom(rsh, now)
+			rsh.records[rkey] = &idemRecord{expiresAt: now + float64(idem.Window.Microseconds())}
+		}
+	}
 	return true, nil
+}
+
+// makeRecordRoom keeps a shard's idempotency records within the shard's bound before an insert: it
+// drops expired records among a sample and, if none has expired, the sampled one closest to
+// expiry.
+func (s *Memory) makeRecordRoom(sh *shard, now float64) {
+	if len(sh.records) < s.perShard {
+		return
+	}
+	var victim memoryKey
+	victimAt, seen := 0.0, 0
+	for k, r := range sh.records {
+		if r.expiresAt <= now {
+			delete(sh.records, k)
+		} else if seen == 0 || r.expiresAt < victimAt {
+			victim, victimAt = k, r.expiresAt
+		}
+		if seen++; seen >= evictionSample {
+			break
+		}
+	}
+	if len(sh.records) >= s.perShard {
+		delete(sh.records, victim)
+	}
 }
 
 // decideOne is Decide for the common single-rule request: one shard, no bookkeeping.
@@ -238,6 +328,11 @@ func (s *Memory) Sweep() {
 		for k, e := range sh.m {
 			if e.idleAt <= now {
 				delete(sh.m, k)
+			}
+		}
+		for k, r := range sh.records {
+			if r.expiresAt <= now {
+				delete(sh.records, k)
 			}
 		}
 		sh.mu.Unlock()

@@ -256,11 +256,19 @@ func (s *Redis) groups(checks []Check) [][]int {
 // run decides one group with one script call. It returns whether the group charged and the
 // time it decided at, in microseconds.
 func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string, out []algorithm.Decision) (bool, int64, error) {
-	keys := make([]string, len(group))
-	args := make([]any, 2, 2+7*len(group))
-	args[0], args[1] = "", id
+	keys := make([]string, len(group), len(group)+1)
+	args := make([]any, 3, 3+7*len(group))
+	args[0], args[1], args[2] = "", id, ""
 	if s.clock != nil {
 		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
+	}
+	var record string
+	for _, ci := range group {
+		if c := &checks[ci]; c.Idempotency != nil {
+			record = c.recordKey()
+			args[2] = strconv.FormatInt(c.Idempotency.Window.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Idempotency.MaxRepeats, 10)
+			break
+		}
 	}
 	for i, ci := range group {
 		c := &checks[ci]
@@ -271,6 +279,9 @@ func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string,
 		}
 		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
 			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce)
+	}
+	if record != "" {
+		keys = append(keys, record)
 	}
 	var reply any
 	var err error
@@ -300,8 +311,10 @@ func scriptFault(err error) bool {
 	return strings.HasPrefix(msg, "WRONGTYPE ") || strings.HasPrefix(msg, "ERR ") && strings.Contains(msg, "script")
 }
 
-// decodeDecisions reads the decide script's reply: {charged, now_us, then per rule allowed,
-// remaining, reset_us, retry_us, wait_us}. Anything else is ErrUnexpectedReply, never a panic.
+// decodeDecisions reads the decide script's reply: {committed, now_us, then per rule allowed,
+// remaining, reset_us, retry_us, wait_us}. committed is 1 when the group was charged, 2 when it
+// passed as a free repeat (nothing charged, so nothing to refund: the time returned is 0), 0
+// when refused. Anything else is ErrUnexpectedReply, never a panic.
 func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Decision) (bool, int64, error) {
 	vals, ok := reply.([]any)
 	if !ok || len(vals) != 2+5*len(group) {
@@ -326,7 +339,13 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 			Wait:       time.Duration(r[4]) * time.Microsecond,
 		}
 	}
-	return ints[0] == 1, ints[1], nil
+	switch ints[0] {
+	case 1:
+		return true, ints[1], nil
+	case 2:
+		return true, 0, nil
+	}
+	return false, ints[1], nil
 }
 
 // refund gives back what the groups with a non-zero charge time charged. Best effort: an error
@@ -336,8 +355,14 @@ func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, char
 		if chargedAt[gi] == 0 {
 			continue
 		}
-		keys := make([]string, 0, len(g))
-		args := []any{chargedAt[gi], id}
+		keys := make([]string, 0, len(g)+1)
+		args := []any{chargedAt[gi], id, ""}
+		var record string
+		for _, ci := range g {
+			if c := &checks[ci]; c.Idempotency != nil && record == "" {
+				record = c.recordKey()
+			}
+		}
 		for _, ci := range g {
 			c := &checks[ci]
 			if c.Cost == 0 || !out[ci].Allowed {
@@ -345,6 +370,9 @@ func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, char
 			}
 			keys = append(keys, c.Key())
 			args = append(args, int(c.Limit.Kind), c.Limit.Rate, c.Limit.Period.Microseconds(), c.Cost)
+		}
+		if record != "" {
+			keys, args[2] = append(keys, record), "1"
 		}
 		if len(keys) > 0 {
 			_ = refundScript.Run(ctx, s.client, keys, args...).Err()

@@ -7,8 +7,11 @@ package store
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/base64"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
 )
@@ -27,6 +30,34 @@ type Check struct {
 	Tag string
 	// Rule names the rule's state (policy.RuleID).
 	Rule string
+	// Idempotency, when set, makes the decision of this check's group (all checks on a standalone
+	// Redis or in memory, those of its tag on a Cluster) recognize repeats of one request.
+	Idempotency *Idempotency
+}
+
+// Idempotency identifies a request by the key its client sent, for the decision to recognize
+// its repeats: the first is decided and charged as any request; a repeat within Window of an
+// admitted one passes without a charge, MaxRepeats times, and is charged like a new request
+// after that; a repeat of a refused one is refused the same way until the first refusal's
+// Retry-After. Records are kept per client (the decision's tag), so clients that send the same
+// key never share one.
+type Idempotency struct {
+	// Key is the hashed idempotency key (IdempotencyKey).
+	Key        string
+	Window     time.Duration
+	MaxRepeats int64
+}
+
+// IdempotencyKey hashes a client's idempotency key into the 8 characters of its record's name:
+// the first 48 bits of its SHA-256, base64url. Raw keys never reach the store.
+func IdempotencyKey(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	return base64.RawURLEncoding.EncodeToString(sum[:6])
+}
+
+// recordKey is the Redis key of the idempotency record of a check's decision: under its tag.
+func (c *Check) recordKey() string {
+	return KeyPrefix + "{" + c.Tag + "}i" + c.Idempotency.Key
 }
 
 // KeyPrefix starts every Redis key of Sluice's.

@@ -3,12 +3,19 @@
 -- consumes nothing. The arithmetic mirrors enforcer/algorithm operation for operation, so both
 -- stores reach identical decisions.
 --
--- KEYS[i]   the key of rule i
+-- KEYS[i]   the key of rule i; with idempotency, one more key: the request's record
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
 -- ARGV[2]   a request id, unique per request: sliding-log members are id:1..id:cost
--- ARGV[3+7(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0)
+-- ARGV[3]   "" or, with idempotency, "<window_ms>:<free repeats>"
+-- ARGV[4+7(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0)
 --
--- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us}.
+-- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us};
+-- committed is 1 when the request was charged, 2 when it passed as a free repeat of an admitted
+-- request (nothing charged), 0 when it was refused.
+--
+-- Idempotency record, under the decision's hash tag, with the window as its TTL: an integer,
+-- the repeats seen so far of an admitted request (0 after the first), or -1 for a refused one,
+-- whose record lives until the first refusal's Retry-After instead.
 --
 -- State, one key per rule, always with a TTL of the time after which it is idle again. The TTL
 -- only collects garbage: window indexes are stored in the values, so a key that outlives its
@@ -75,7 +82,7 @@ local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 -- retry_us, wait_us and the value to write if the request is charged. It changes nothing, except
 -- that a sliding log drops entries that left its window.
 local function evaluate(i, cost)
-  local b = 3 + (i - 1) * 7
+  local b = 4 + (i - 1) * 7
   local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   local key = KEYS[i]
@@ -202,36 +209,107 @@ local function evaluate(i, cost)
   return allowed, remaining, reset, retry, wait, write
 end
 
+local idem_window, idem_free
+if ARGV[3] ~= '' then
+  local w, m = string.match(ARGV[3], '^(%d+):(%d+)$')
+  idem_window, idem_free = tonumber(w), tonumber(m)
+end
 local n = #KEYS
+local record, seen
+if idem_window then
+  record = KEYS[n]
+  n = n - 1
+  seen = tonumber(redis.call('GET', record) or nil)
+end
+
+-- report returns the script's reply for decisions made without charging anything: each rule as
+-- a cost-0 check sees it, allowed unless refused says otherwise.
+local function report(committed, refused)
+  local out = {committed, now}
+  for i = 1, n do
+    local r = {evaluate(i, 0)}
+    r[1] = not refused[i]
+    r[5] = 0 -- nothing is queued: no wait
+    out[#out + 1] = r[1] and 1 or 0
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3]
+    out[#out + 1] = r[4]
+    out[#out + 1] = r[5]
+  end
+  return out
+end
+
+if seen and seen >= 0 and seen < idem_free then
+  -- A free repeat of an admitted request: it passes, and nothing is charged.
+  redis.call('SET', record, fmt(seen + 1), 'KEEPTTL')
+  return report(2, {})
+end
+
 local res = {}
 local commit = true
 for i = 1, n do
-  local cost = tonumber(ARGV[3 + (i - 1) * 7 + 5])
+  local cost = tonumber(ARGV[4 + (i - 1) * 7 + 5])
   local r = {evaluate(i, cost)}
   res[i] = r
-  if ARGV[3 + (i - 1) * 7 + 6] == '1' and not r[1] then commit = false end
+  if ARGV[4 + (i - 1) * 7 + 6] == '1' and not r[1] then commit = false end
+end
+
+if seen and seen < 0 then
+  -- A repeat of a refused request, before that refusal's Retry-After: refused the same way.
+  -- The limits refuse it already unless they changed; if none does, the first enforced rule
+  -- refuses it until the record ends.
+  local refusing = false
+  for i = 1, n do
+    if ARGV[4 + (i - 1) * 7 + 6] == '1' and not res[i][1] then refusing = true end
+  end
+  if not refusing then
+    for i = 1, n do
+      if ARGV[4 + (i - 1) * 7 + 6] == '1' then
+        local out = report(0, {[i] = true})
+        out[2 + 5 * (i - 1) + 4] = max(1, redis.call('PTTL', record)) * 1000
+        return out
+      end
+    end
+  end
+  commit = false
 end
 
 local out = {commit and 1 or 0, now}
+local retry_max = 0
 for i = 1, n do
   local r = res[i]
-  local cost = tonumber(ARGV[3 + (i - 1) * 7 + 5])
+  local cost = tonumber(ARGV[4 + (i - 1) * 7 + 5])
   if not commit and r[1] and cost > 0 then
     -- Nothing is charged, so a rule that would have allowed reports its state as it stays.
     r = {evaluate(i, 0)}
     r[1] = true
   end
+  if not r[1] and ARGV[4 + (i - 1) * 7 + 6] == '1' then retry_max = max(retry_max, r[4]) end
   out[#out + 1] = r[1] and 1 or 0
   out[#out + 1] = r[2]
   out[#out + 1] = r[3]
   out[#out + 1] = r[4]
   out[#out + 1] = r[5]
 end
-if not commit then return out end
+if not commit then
+  if idem_window and not seen then
+    -- The first refusal of this request: its repeats are refused until its Retry-After.
+    redis.call('SET', record, '-1', 'PX', ttl(retry_max))
+  end
+  return out
+end
+
+if idem_window then
+  if seen then
+    redis.call('SET', record, fmt(seen + 1), 'KEEPTTL') -- a charged repeat, past the free ones
+  else
+    redis.call('SET', record, '0', 'PX', idem_window)
+  end
+end
 
 for i = 1, n do
   local r = res[i]
-  local b = 3 + (i - 1) * 7
+  local b = 4 + (i - 1) * 7
   local kind, cost = tonumber(ARGV[b]), tonumber(ARGV[b + 5])
   if r[1] and r[6] then
     local key, reset = KEYS[i], r[3]

@@ -2,10 +2,11 @@
 -- request refused it (Redis Cluster only: keys of different tags live in different slots, so one
 -- script cannot check them all). Keys keep their TTL.
 --
--- KEYS[i]   the key of rule i
+-- KEYS[i]   the key of rule i; with ARGV[3] = "1", one more key: the request's idempotency record
 -- ARGV[1]   the time decide.lua charged at, in microseconds
 -- ARGV[2]   the request id decide.lua was given
--- ARGV[3+4(i-1) ...] per rule: kind, rate, period_us, cost
+-- ARGV[3]   "1" when the decision wrote an idempotency record, "" otherwise
+-- ARGV[4+4(i-1) ...] per rule: kind, rate, period_us, cost
 
 local floor = math.floor
 local now = tonumber(ARGV[1])
@@ -15,8 +16,21 @@ local function fmt(x) return string.format('%.17g', x) end
 local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
 local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
-for i = 1, #KEYS do
-  local b = 3 + (i - 1) * 4
+local n = #KEYS
+if ARGV[3] == '1' then
+  -- The record said the request was admitted; it was not, in the end. A first record goes; a
+  -- repeat's count goes back.
+  n = n - 1
+  local seen = tonumber(redis.call('GET', KEYS[#KEYS]) or nil)
+  if seen == 0 then
+    redis.call('DEL', KEYS[#KEYS])
+  elseif seen and seen > 0 then
+    redis.call('SET', KEYS[#KEYS], fmt(seen - 1), 'KEEPTTL')
+  end
+end
+
+for i = 1, n do
+  local b = 4 + (i - 1) * 4
   local kind, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1])
   local period, cost = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local key = KEYS[i]
