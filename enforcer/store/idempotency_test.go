@@ -185,3 +185,17 @@ func TestClusterWhenAnotherTagRefusesThenTheRecordIsRefundedWithTheCharge(t *tes
 		t.Errorf("the tenant's rule alone with the request's key: %+v, want charged as a first request (its record refunded)", d)
 	}
 }
+
+// A client that sends a new idempotency key with every request cannot grow the memory store
+// without bound: records are bounded per shard like counters.
+func TestMemoryWhenEveryRequestBringsANewKeyThenRecordsStayBounded(t *testing.T) {
+	s := store.NewMemory(store.MemoryOptions{MaxKeys: 640, SweepInterval: -1})
+	t.Cleanup(func() { _ = s.Close() })
+	for i := range 20_000 {
+		c := idemCheck(t, "memory", fmt.Sprint("client-", i%50), 1_000_000, fmt.Sprint("key-", i), 3)
+		decideOnce(t, s, c)
+	}
+	if n := s.Len(); n > 2*640 {
+		t.Errorf("%d keys held after 20,000 requests with new keys, want at most 640 counters and 640 records", n)
+	}
+}

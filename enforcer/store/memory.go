@@ -339,12 +339,12 @@ func (s *Memory) Sweep() {
 	}
 }
 
-// Len is the number of keys held.
+// Len is the number of keys held: counters and idempotency records.
 func (s *Memory) Len() int {
 	n := 0
 	for i := range s.shards {
 		s.shards[i].mu.Lock()
-		n += len(s.shards[i].m)
+		n += len(s.shards[i].m) + len(s.shards[i].records)
 		s.shards[i].mu.Unlock()
 	}
 	return n
