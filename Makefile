@@ -89,7 +89,8 @@ test-unit: ## Run the fast tier: every test that needs neither the control plane
 	go test -short -count=1 ./...
 
 .PHONY: test
-test: redis-server ## Run all tests against a real API server and real Redis.
+test: redis-server ## Run all tests against a real API server, real Redis and real nginx.
+	@hack/ensure-nginx.sh
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" HELM="$$(hack/tool.sh helm)" PROMTOOL="$$(hack/tool.sh promtool)" \
 		go test -race -count=1 -timeout 30m ./...
 

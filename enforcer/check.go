@@ -31,6 +31,11 @@ type check struct {
 	limiter *limiter.Limiter
 }
 
+// AuthRequestPath is the check API's path for nginx's auth_request (ingress-nginx's auth-url):
+// there a refusal is answered 403, and a fail-closed rule's store failure 401, the only refusals
+// auth_request passes on; on every other path they are 429 and 503.
+const AuthRequestPath = "/auth-request"
+
 const missingOriginal = "the check API needs the original method and URI in X-Original-Method and X-Original-URL, or X-Forwarded-Method and X-Forwarded-Uri"
 
 func (c *check) serve(ctx *fasthttp.RequestCtx) {
@@ -56,6 +61,12 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 	setRateLimitHeaders(resp.Set, &res)
 	if res.Outcome != limiter.Allowed {
 		status, body := refusal(resp.Set, &res)
+		if string(ctx.Path()) == AuthRequestPath {
+			// nginx's auth_request passes on 2xx, 401 and 403 only, and turns any other status
+			// into a 500: a refusal is 403, a fail-closed rule's 503 is 401, and the nginx
+			// configuration restores 429 and 503 with error_page (docs/enforcer.md).
+			status = map[int]int{http.StatusTooManyRequests: http.StatusForbidden, http.StatusServiceUnavailable: http.StatusUnauthorized}[status]
+		}
 		ctx.SetStatusCode(status)
 		ctx.SetBody(body)
 		return
