@@ -12,17 +12,19 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sluice-dev/sluice/enforcer/store"
 	"github.com/sluice-dev/sluice/test/tier"
 )
 
 // ingressNginx is nginx configured as ingress-nginx renders an Ingress with the auth-url and
-// auth-response-headers annotations (its external-auth location and auth_request), in three
+// auth-response-headers annotations (its external-auth location and auth_request), in five
 // servers:
 //   - snippets: plus the configuration-snippet and server-snippet of docs/enforcer.md, with
 //     auth-url pointing at the check API's /auth-request;
 //   - annotations: the annotations alone, auth-url at /auth-request;
 //   - naive: the annotations alone, auth-url at the check API's root, as these docs once said;
-//   - proxy: the Ingress routed to the enforcer's proxy port instead of the upstream.
+//   - proxy: the Ingress routed to the enforcer's proxy port instead of the upstream;
+//   - closed: the snippets' 503 path, in front of an enforcer whose Redis is down.
 const ingressNginx = `
 worker_processes 1;
 error_log {{dir}}/error.log;
@@ -84,6 +86,23 @@ http {
     {{auth "{{check}}/"}}
     location / {
       auth_request /_external-auth;
+      proxy_pass {{upstream}};
+    }
+  }
+
+  server {
+    listen 127.0.0.1:{{closed}};
+    # the snippets' server, with auth-url at an enforcer whose Redis is down
+    location @sluice_503 {
+      add_header Retry-After $sluice_retry_after always;
+      default_type application/problem+json;
+      return 503 '{"type":"https://sluice.dev/problems/store-unavailable","title":"Service Unavailable","status":503}\n';
+    }
+    {{auth "{{closedcheck}}/auth-request"}}
+    location / {
+      auth_request /_external-auth;
+      auth_request_set $sluice_retry_after $upstream_http_retry_after;
+      error_page 401 = @sluice_503;
       proxy_pass {{upstream}};
     }
   }
@@ -165,8 +184,15 @@ func TestNginxWhenConfiguredAsIngressNginxRendersAuthURLThenRefusalsReachClients
       key: [{type: Header, name: X-Client}]
       fixedWindow: {limit: 2, window: 1h}
 `, "  trustedProxies: [\"127.0.0.0/8\"]\n"), up, nil)
-	ports := map[string]string{"snippets": freePort(t), "annotations": freePort(t), "naive": freePort(t), "proxy": freePort(t)}
+	// An enforcer whose Redis is down, with a rule that fails closed.
+	dead := freePort(t)
+	closed := start(t, policyDoc("nginx-closed", `    - name: payments
+      fixedWindow: {limit: 10, window: 1h}
+      failureMode: Closed
+`), up, &store.RedisOptions{Addrs: []string{"127.0.0.1:" + dead}, Timeout: 50 * time.Millisecond})
+	ports := map[string]string{"snippets": freePort(t), "annotations": freePort(t), "naive": freePort(t), "proxy": freePort(t), "closed": freePort(t)}
 	conf := ingressNginx
+	conf = strings.ReplaceAll(conf, `{{auth "{{closedcheck}}/auth-request"}}`, fmt.Sprintf(authLocation, closed.check+"/auth-request"))
 	conf = strings.ReplaceAll(conf, `{{auth "{{check}}/auth-request"}}`, fmt.Sprintf(authLocation, e.check+"/auth-request"))
 	conf = strings.ReplaceAll(conf, `{{auth "{{check}}/"}}`, fmt.Sprintf(authLocation, e.check+"/"))
 	conf = strings.ReplaceAll(conf, "{{upstream}}", up.URL)
@@ -215,5 +241,13 @@ func TestNginxWhenConfiguredAsIngressNginxRendersAuthURLThenRefusalsReachClients
 		if got := up.hits.Load() - hits; got != 2 {
 			t.Errorf("%s: the refused request reached the upstream", server)
 		}
+	}
+	// A fail-closed rule whose store cannot answer: 503 with Retry-After, not 500.
+	hits := up.hits.Load()
+	if r := send("closed", "anyone"); r.StatusCode != http.StatusServiceUnavailable || r.Header.Get("Retry-After") == "" {
+		t.Errorf("the store failure reached the client as %d, Retry-After %q; want 503 with Retry-After", r.StatusCode, r.Header.Get("Retry-After"))
+	}
+	if up.hits.Load() != hits {
+		t.Error("the request refused for the store's failure reached the upstream")
 	}
 }
