@@ -119,14 +119,15 @@ func newCheckServer(c *check, log logr.Logger, readTimeout time.Duration) *fasth
 	}
 }
 
-// refuseMalformed answers a request the server could not read with the status that says why.
+// refuseMalformed answers a request the check API or the proxy could not read with the status
+// that says why.
 func refuseMalformed(ctx *fasthttp.RequestCtx, err error) {
 	var small *fasthttp.ErrSmallBuffer
 	var netErr net.Error
 	switch {
 	case errors.As(err, &small):
 		ctx.Error("request header over 64 KiB", http.StatusRequestHeaderFieldsTooLarge)
-	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+	case errors.Is(err, fasthttp.ErrBodyTooLarge): // the check API's only: the proxy streams bodies
 		ctx.Error("request body over 64 KiB: the check API needs none", http.StatusRequestEntityTooLarge)
 	case errors.As(err, &netErr) && netErr.Timeout():
 		ctx.Error("request not read in time", http.StatusRequestTimeout)

@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
-	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -247,20 +246,6 @@ func newProxyServer(p *fastProxy, log logr.Logger, readTimeout time.Duration) *f
 		NoDefaultServerHeader:        true,
 		NoDefaultContentType:         true,
 		Logger:                       fastLogger{log},
-		ErrorHandler:                 refuseMalformedProxy,
-	}
-}
-
-// refuseMalformedProxy answers a request the proxy could not read with the status that says why.
-func refuseMalformedProxy(ctx *fasthttp.RequestCtx, err error) {
-	var small *fasthttp.ErrSmallBuffer
-	var netErr net.Error
-	switch {
-	case errors.As(err, &small):
-		ctx.Error("request header over 64 KiB", http.StatusRequestHeaderFieldsTooLarge)
-	case errors.As(err, &netErr) && netErr.Timeout():
-		ctx.Error("request not read in time", http.StatusRequestTimeout)
-	default:
-		ctx.Error("malformed request", http.StatusBadRequest)
+		ErrorHandler:                 refuseMalformed,
 	}
 }

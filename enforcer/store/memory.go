@@ -217,30 +217,6 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 	return true, nil
 }
 
-// makeRecordRoom keeps a shard's idempotency records within the shard's bound before an insert: it
-// drops expired records among a sample and, if none has expired, the sampled one closest to
-// expiry.
-func (s *Memory) makeRecordRoom(sh *shard, now float64) {
-	if len(sh.records) < s.perShard {
-		return
-	}
-	var victim memoryKey
-	victimAt, seen := 0.0, 0
-	for k, r := range sh.records {
-		if r.expiresAt <= now {
-			delete(sh.records, k)
-		} else if seen == 0 || r.expiresAt < victimAt {
-			victim, victimAt = k, r.expiresAt
-		}
-		if seen++; seen >= evictionSample {
-			break
-		}
-	}
-	if len(sh.records) >= s.perShard {
-		delete(sh.records, victim)
-	}
-}
-
 // decideOne is Decide for the common single-rule request: one shard, no bookkeeping.
 func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 	sh := &s.shards[s.shardOf(c)]
@@ -295,27 +271,38 @@ func (s *Memory) store(sh *shard, c *Check, st algorithm.State, d algorithm.Deci
 // evictionSample is how many entries a full shard looks at to choose the one to evict.
 const evictionSample = 8
 
-// makeRoom keeps a shard within its bound before an insert: it drops idle entries among a sample
-// and, if none is idle, the sampled entry closest to idle. Evicting a live entry forgets some
-// usage of one client; the bound is what keeps a flood of random keys from exhausting memory.
+// makeRoom keeps a shard's counters within its bound before an insert: see evict.
 func (s *Memory) makeRoom(sh *shard, now float64) {
-	if len(sh.m) < s.perShard {
+	evict(sh.m, s.perShard, now, func(e *memoryEntry) float64 { return e.idleAt })
+}
+
+// makeRecordRoom keeps a shard's idempotency records within the same bound: see evict.
+func (s *Memory) makeRecordRoom(sh *shard, now float64) {
+	evict(sh.records, s.perShard, now, func(r *idemRecord) float64 { return r.expiresAt })
+}
+
+// evict makes room in a full map before an insert: it drops the entries that are over (their
+// end has come) among a sample and, if none is, the sampled entry closest to its end. Evicting a
+// live entry forgets some usage of one client; the bound is what keeps a flood of random keys
+// from exhausting memory.
+func evict[V any](m map[memoryKey]V, bound int, now float64, end func(V) float64) {
+	if len(m) < bound {
 		return
 	}
 	var victim memoryKey
-	victimIdle, seen := 0.0, 0
-	for k, e := range sh.m {
-		if e.idleAt <= now {
-			delete(sh.m, k)
-		} else if seen == 0 || e.idleAt < victimIdle {
-			victim, victimIdle = k, e.idleAt
+	victimEnd, seen := 0.0, 0
+	for k, v := range m {
+		if e := end(v); e <= now {
+			delete(m, k)
+		} else if seen == 0 || e < victimEnd {
+			victim, victimEnd = k, e
 		}
 		if seen++; seen >= evictionSample {
 			break
 		}
 	}
-	if len(sh.m) >= s.perShard {
-		delete(sh.m, victim)
+	if len(m) >= bound {
+		delete(m, victim)
 	}
 }
 
