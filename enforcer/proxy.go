@@ -116,6 +116,9 @@ func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 	h := &req.Header
 	var buf [256]byte
 	host := append(buf[:0], h.Host()...)
+	if len(host) == 0 {
+		host = append(host, p.upstream.Host...) // an HTTP/1.0 client sent none
+	}
 	removeHopHeaders(h)
 	xff := buf[len(host):len(host)]
 	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
@@ -197,17 +200,36 @@ func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
 		ctx.SetStatusCode(http.StatusBadGateway)
 		return
 	}
-	// The answer, whatever it is, and everything after it, goes to the client as the upstream
-	// sends it: the connection belongs to the two ends from here on.
+	// The connection belongs to the two ends once the upstream switches protocols; until then it
+	// is HTTP, and an upstream that answers anything but 101 gets its answer relayed and the
+	// connection closed, so that no later request on it bypasses the limits.
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(client net.Conn) {
 		defer func() { _ = up.Close() }()
+		br := bufio.NewReader(up)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			return
+		}
+		defer func() { _ = resp.Body.Close() }()
+		if resp.StatusCode != http.StatusSwitchingProtocols {
+			resp.Close = true
+			_ = resp.Write(client)
+			return
+		}
+		head := bufio.NewWriter(client)
+		_, _ = head.WriteString("HTTP/1.1 101 Switching Protocols\r\n")
+		_ = resp.Header.Write(head)
+		_, _ = head.WriteString("\r\n")
+		if head.Flush() != nil {
+			return
+		}
 		var wg sync.WaitGroup
 		wg.Go(func() {
 			_, _ = io.Copy(up, client)
 			closeWrite(up)
 		})
-		_, _ = io.Copy(client, up)
+		_, _ = io.Copy(client, br) // what the upstream sent after its 101 first
 		closeWrite(client)
 		wg.Wait()
 	})

@@ -265,3 +265,59 @@ func TestAdminWhenAskedForAClientsKeysThenTheyAreTheKeysItsRequestsWrote(t *test
 		t.Errorf("an unknown policy: %d, want 404", r.StatusCode)
 	}
 }
+
+// An HTTP/1.0 client that sends no Host still reaches the upstream, under the upstream's name.
+func TestProxyWhenAnHTTP10ClientSendsNoHostThenTheRequestPasses(t *testing.T) {
+	e := start(t, policyDoc("http10", anyRule), newUpstream(t), nil)
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	_, _ = io.WriteString(conn, "GET / HTTP/1.0\r\n\r\n")
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("HTTP/1.0 without Host: %d, want 200", resp.StatusCode)
+	}
+}
+
+// A request that asks to upgrade, to an upstream that does not switch protocols, gets the
+// upstream's answer and a closed connection: no later request on it bypasses the limits.
+func TestProxyWhenTheUpstreamRefusesAnUpgradeThenTheConnectionCarriesNothingUnlimited(t *testing.T) {
+	up := newUpstream(t) // answers every request 200, upgrade or not
+	e := start(t, policyDoc("no-upgrade", `    - name: one
+      fixedWindow: {limit: 1, window: 1h}
+`), up, nil)
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+	br := bufio.NewReader(conn)
+	_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: tunnel\r\n\r\n")
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("the upgrade the upstream ignored: %d, want its 200", resp.StatusCode)
+	}
+	// The limit of 1 is used: a second request on the same connection must not reach the upstream.
+	_, _ = io.WriteString(conn, "GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+	if resp, err := http.ReadResponse(br, nil); err == nil {
+		_ = resp.Body.Close()
+		if resp.StatusCode == http.StatusOK {
+			t.Error("a second request on the connection passed the limit")
+		}
+	}
+	if n := up.hits.Load(); n != 1 {
+		t.Errorf("the upstream saw %d requests, want 1", n)
+	}
+}
