@@ -14,10 +14,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+	grpchealth "google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/report"
@@ -37,9 +41,9 @@ type Config struct {
 	StorePingInterval time.Duration
 	// Upstream receives the requests that pass. Nil serves no proxy (check API only).
 	Upstream *url.URL
-	// Listen, CheckListen and AdminListen are the proxy, check API and admin addresses; empty
-	// disables the server.
-	Listen, CheckListen, AdminListen string
+	// Listen, CheckListen and AdminListen are the proxy, check API and admin addresses, and
+	// RLSListen Envoy's rate limit service's (gRPC); empty disables the server.
+	Listen, CheckListen, AdminListen, RLSListen string
 	// Redis, when set, is the store; otherwise the memory store, exact for one replica only.
 	Redis *store.RedisOptions
 	// MemoryMaxKeys bounds the memory store's keys. Default 1,000,000.
@@ -63,8 +67,8 @@ type Config struct {
 
 // Enforcer is a running enforcer.
 type Enforcer struct {
-	// ProxyAddr, CheckAddr and AdminAddr are the addresses the servers listen on.
-	ProxyAddr, CheckAddr, AdminAddr string
+	// ProxyAddr, CheckAddr, AdminAddr and RLSAddr are the addresses the servers listen on.
+	ProxyAddr, CheckAddr, AdminAddr, RLSAddr string
 
 	cfg     Config
 	limiter *limiter.Limiter
@@ -195,6 +199,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		{&e.AdminAddr, cfg.AdminListen, e.serveHTTP(admin)},
 		{&e.ProxyAddr, cfg.Listen, serveProxy},
 		{&e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
+		{&e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
 	}
 	for i, s := range servers {
 		if s.listen == "" || s.serve == nil {
@@ -232,7 +237,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		cancel()
 		e.stop(delay)
 	}()
-	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr,
+	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr, "rls", e.RLSAddr,
 		"policies", len(policies), "store", storeName(cfg))
 	return e, nil
 }
@@ -323,6 +328,35 @@ func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context)
 			err := srv.ShutdownWithContext(ctx)
 			_ = ln.Close()
 			return err
+		})
+	}
+}
+
+// serveRLS returns a function that serves Envoy's rate limit service over gRPC, with the
+// standard gRPC health service, and returns its shutdown: in-flight calls finish, within the
+// drain's deadline.
+func (e *Enforcer) serveRLS(s *rls) func(net.Listener) func(context.Context) error {
+	return func(ln net.Listener) func(context.Context) error {
+		srv := grpc.NewServer()
+		rlsv3.RegisterRateLimitServiceServer(srv, s)
+		health := grpchealth.NewServer()
+		health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+		health.SetServingStatus(rlsv3.RateLimitService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+		healthpb.RegisterHealthServer(srv, health)
+		return e.run(func() error { return srv.Serve(ln) }, func(ctx context.Context) error {
+			health.Shutdown() // NOT_SERVING: Envoy's health checks stop sending
+			done := make(chan struct{})
+			go func() {
+				srv.GracefulStop()
+				close(done)
+			}()
+			select {
+			case <-done:
+				return nil
+			case <-ctx.Done():
+				srv.Stop()
+				return ctx.Err()
+			}
 		})
 	}
 }

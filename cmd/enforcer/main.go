@@ -70,6 +70,7 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass, such as http://127.0.0.1:3000.")
 	fs.StringVar(&cfg.Listen, "listen", ":8080", "Address of the reverse proxy.")
 	fs.StringVar(&cfg.CheckListen, "check-listen", ":8081", "Address of the check API for ingress forward-auth; empty disables it.")
+	fs.StringVar(&cfg.RLSListen, "rls-listen", "", "Address of Envoy's rate limit service (gRPC, envoy.service.ratelimit.v3); empty, the default, disables it.")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", ":9090", "Address of /metrics, /healthz and /readyz; empty disables it.")
 	fs.StringVar(&redisURL, "redis-url", "", "Standalone Redis, redis://HOST:PORT/DB or rediss:// for TLS.")
 	fs.StringVar(&cluster, "redis-cluster", "", "Redis Cluster seed nodes, HOST:PORT,HOST:PORT,...")

@@ -29,6 +29,7 @@ import (
 const (
 	ProxyPort = 8080
 	CheckPort = 8081
+	RLSPort   = 8082
 	AdminPort = 9090
 	RedisPort = 6379
 )
@@ -196,6 +197,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		fmt.Sprintf("--upstream=http://%s.%s.svc:%d", p.Spec.TargetRef.Name, p.Namespace, p.Spec.TargetRef.Port),
 		fmt.Sprintf("--listen=:%d", ProxyPort),
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
+		fmt.Sprintf("--rls-listen=:%d", RLSPort),
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
 		"--shutdown-delay=" + shutdownDelay.String(),
 		"--shutdown-timeout=" + shutdownTimeout.String(),
@@ -287,6 +289,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 						Ports: []corev1.ContainerPort{
 							{Name: "proxy", ContainerPort: ProxyPort, Protocol: corev1.ProtocolTCP},
 							{Name: "check", ContainerPort: CheckPort, Protocol: corev1.ProtocolTCP},
+							{Name: "rls", ContainerPort: RLSPort, Protocol: corev1.ProtocolTCP},
 							{Name: "admin", ContainerPort: AdminPort, Protocol: corev1.ProtocolTCP},
 						},
 						ReadinessProbe:  probe("/readyz", 5),
@@ -311,6 +314,8 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			Ports: []corev1.ServicePort{
 				{Name: "proxy", Port: ProxyPort, TargetPort: intstr.FromString("proxy"), Protocol: corev1.ProtocolTCP},
 				{Name: "check", Port: CheckPort, TargetPort: intstr.FromString("check"), Protocol: corev1.ProtocolTCP},
+				// Envoy's rate limit service: gRPC over cleartext HTTP/2, which the name tells meshes.
+				{Name: "grpc-rls", Port: RLSPort, TargetPort: intstr.FromString("rls"), Protocol: corev1.ProtocolTCP, AppProtocol: ptr.To("kubernetes.io/h2c")},
 				{Name: "metrics", Port: AdminPort, TargetPort: intstr.FromString("admin"), Protocol: corev1.ProtocolTCP},
 			},
 		},

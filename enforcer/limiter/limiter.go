@@ -13,6 +13,7 @@ import (
 
 	"github.com/go-logr/logr"
 
+	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/algorithm"
 	"github.com/sluice-dev/sluice/enforcer/policy"
 	"github.com/sluice-dev/sluice/enforcer/report"
@@ -39,6 +40,38 @@ type Request struct {
 	Header policy.Header
 	// Peer is the TCP peer's address.
 	Peer netip.Addr
+	// Policy, when set, limits the decision to the rules of the policy with this ID.
+	Policy string
+	// Hits multiplies every rule's cost; 0 means 1.
+	Hits int64
+	// KeysRequired limits the decision to the rules all of whose key sources the request
+	// carries: an Envoy descriptor selects the limits whose keys it names.
+	KeysRequired bool
+}
+
+// carries reports whether a request carries every key source of a rule.
+func (req *Request) carries(r *policy.Rule) bool {
+	for _, k := range r.Key {
+		switch k.Type {
+		case v1alpha1.KeyRemoteAddress:
+			if !req.Peer.IsValid() {
+				return false
+			}
+		case v1alpha1.KeyMethod:
+			if req.Method == "" {
+				return false
+			}
+		case v1alpha1.KeyPath:
+			if req.Path == "" {
+				return false
+			}
+		case v1alpha1.KeyHeader:
+			if len(req.Header.Values(k.Header)) == 0 {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // Result is the decision on one request.
@@ -156,35 +189,7 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		*bufs = decideBufs{} // no strings or rules kept alive by the pool
 		bufPool.Put(bufs)
 	}()
-	checks, rules := bufs.checks[:0], bufs.rules[:0]
-	var idemKey string // the first idempotency key the request sends, of the policies asking
-	for _, p := range *l.policies.Load() {
-		var addr netip.Addr
-		var idem *store.Idempotency
-		if p.Idempotency != nil {
-			if v := req.Header.Values(p.Idempotency.Header); len(v) > 0 && v[0] != "" {
-				if idemKey == "" {
-					idemKey = v[0]
-				}
-				idem = &store.Idempotency{Key: store.IdempotencyKey(v[0]), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
-			}
-		}
-		var lastKey, lastTag string // rules of a policy often share their client key
-		for i := range p.Rules {
-			r := &p.Rules[i]
-			if !r.Match.Matches(req.Method, req.Path, req.Header) {
-				continue
-			}
-			if !addr.IsValid() {
-				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
-			}
-			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
-				lastKey, lastTag = key, store.Tag(p.ID, key)
-			}
-			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
-			rules = append(rules, matched{r, p.ID})
-		}
-	}
+	checks, rules, idemKey := l.collect(req, bufs.checks[:0], bufs.rules[:0])
 	if len(checks) == 0 {
 		return Result{Outcome: Allowed}
 	}
@@ -211,6 +216,91 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		return l.failureModes(rules, err)
 	}
 	return jitter(l.result(checks, rules, out, charged, cache))
+}
+
+// collect appends the checks and rules of the rules that match a request, and returns the first
+// idempotency key the request sends to a policy that asks for one.
+func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) ([]store.Check, []matched, string) {
+	var idemKey string
+	hits := max(1, req.Hits)
+	for _, p := range *l.policies.Load() {
+		if req.Policy != "" && p.ID != req.Policy {
+			continue
+		}
+		var addr netip.Addr
+		var idem *store.Idempotency
+		if p.Idempotency != nil {
+			if v := req.Header.Values(p.Idempotency.Header); len(v) > 0 && v[0] != "" {
+				if idemKey == "" {
+					idemKey = v[0]
+				}
+				idem = &store.Idempotency{Key: store.IdempotencyKey(v[0]), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
+			}
+		}
+		var lastKey, lastTag string // rules of a policy often share their client key
+		for i := range p.Rules {
+			r := &p.Rules[i]
+			if !r.Match.Matches(req.Method, req.Path, req.Header) || req.KeysRequired && !req.carries(r) {
+				continue
+			}
+			if !addr.IsValid() {
+				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
+			}
+			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
+				lastKey, lastTag = key, store.Tag(p.ID, key)
+			}
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost * hits, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
+			rules = append(rules, matched{r, p.ID})
+		}
+	}
+	return checks, rules, idemKey
+}
+
+// DecideAll decides several requests as one: every rule that matches any of them is checked, and
+// all are charged or none (Envoy's rate limit service asks for one request's descriptors so). It
+// returns each request's result and the overall one: the refusal with the longest Retry-After,
+// or else the first request's.
+func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Result) {
+	var checks []store.Check
+	var rules []matched
+	bounds := make([]int, len(reqs)+1)
+	idem := false
+	for i := range reqs {
+		var key string
+		checks, rules, key = l.collect(&reqs[i], checks, rules)
+		bounds[i+1], idem = len(checks), idem || key != ""
+	}
+	per := make([]Result, len(reqs))
+	if len(checks) == 0 {
+		for i := range per {
+			per[i] = Result{Outcome: Allowed}
+		}
+		return per, Result{Outcome: Allowed}
+	}
+	out := make([]algorithm.Decision, len(checks))
+	start := time.Now()
+	charged, err := l.decide(ctx, checks, out)
+	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
+	overall := Result{Outcome: Allowed}
+	for i := range reqs {
+		b, e := bounds[i], bounds[i+1]
+		switch {
+		case b == e:
+			per[i] = Result{Outcome: Allowed}
+		case err != nil:
+			per[i] = l.failureModes(rules[b:e], err)
+		default:
+			per[i] = jitter(l.result(checks[b:e], rules[b:e], out[b:e], charged, !idem))
+		}
+		switch r := per[i]; {
+		case r.Outcome == Unavailable && overall.Outcome != Unavailable,
+			r.Outcome == Limited && (overall.Outcome == Allowed || overall.Outcome == Limited && r.RetryAfter > overall.RetryAfter):
+			overall = r
+		case i == 0:
+			overall = r
+		}
+	}
+	return per, overall
 }
 
 // jitter adds to a refusal's Retry-After, and to the reset its RateLimit field names, a random

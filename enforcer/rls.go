@@ -1,0 +1,157 @@
+package enforcer
+
+import (
+	"context"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/valyala/fasthttp"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/policy"
+)
+
+// Descriptor entry keys with a meaning of their own (docs/enforcer.md, "Envoy's rate limit
+// service"); every other entry is a request header of the entry's key.
+const (
+	// EntryRemoteAddress is Envoy's remote_address action: the client address.
+	EntryRemoteAddress = "remote_address"
+	// EntryMethod and EntryPath are the request's method and path, as request_headers actions
+	// on :method and :path with these descriptor keys give them.
+	EntryMethod = "method"
+	EntryPath   = "path"
+)
+
+// rls is Envoy's rate limit service, envoy.service.ratelimit.v3.RateLimitService. A call's
+// domain names the policy ("<namespace>/<name>"); each descriptor describes a request, its
+// entries mapped onto what the policy's rules match and key on; every rule that matches any of
+// the descriptors is decided, and all are charged or none.
+type rls struct {
+	rlsv3.UnimplementedRateLimitServiceServer
+	limiter *limiter.Limiter
+}
+
+func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
+	served := false
+	for _, p := range s.limiter.Policies() {
+		served = served || p.ID == req.GetDomain()
+	}
+	if !served {
+		return nil, status.Errorf(codes.InvalidArgument, "domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>", req.GetDomain())
+	}
+	reqs := make([]limiter.Request, len(req.GetDescriptors()))
+	for i, d := range req.GetDescriptors() {
+		if d.GetIsNegativeHits() {
+			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: negative hits are not supported", i)
+		}
+		hits := int64(req.GetHitsAddend())
+		if d.GetHitsAddend() != nil {
+			hits = int64(d.GetHitsAddend().GetValue())
+		}
+		r, err := descriptorRequest(d)
+		if err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: %v", i, err)
+		}
+		r.Policy, r.Hits, r.KeysRequired = req.GetDomain(), max(1, hits), true
+		reqs[i] = r
+	}
+	per, overall := s.limiter.DecideAll(context.WithoutCancel(ctx), reqs)
+	if overall.Outcome == limiter.Unavailable {
+		// A fail-closed rule whose store cannot answer: Envoy applies its failure_mode_deny.
+		return nil, status.Errorf(codes.Unavailable, "the rate-limit store is unavailable and rule %q fails closed", overall.Rule.Name)
+	}
+	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OK}
+	if overall.Outcome == limiter.Limited {
+		resp.OverallCode = rlsv3.RateLimitResponse_OVER_LIMIT
+	}
+	for _, r := range per {
+		resp.Statuses = append(resp.Statuses, descriptorStatus(&r))
+	}
+	set := func(name, value string) {
+		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, &corev3.HeaderValue{Key: name, Value: value})
+	}
+	setRateLimitHeaders(set, &overall)
+	if overall.Outcome == limiter.Limited {
+		set("Retry-After", strconv.FormatInt(max(1, policy.Seconds(overall.RetryAfter)), 10))
+	}
+	return resp, nil
+}
+
+// descriptorRequest maps a descriptor's entries onto a request.
+func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, error) {
+	h := http.Header{}
+	r := limiter.Request{Header: h}
+	for _, e := range d.GetEntries() {
+		switch strings.ToLower(e.GetKey()) {
+		case EntryRemoteAddress:
+			a, err := netip.ParseAddr(e.GetValue())
+			if err != nil {
+				return r, err
+			}
+			r.Peer = a.Unmap()
+		case EntryMethod:
+			r.Method = strings.ToUpper(e.GetValue())
+		case EntryPath:
+			// Decoded, and with dot segments resolved, as the proxy decides paths; no query.
+			var u fasthttp.URI
+			if err := u.Parse([]byte("descriptor"), []byte(e.GetValue())); err != nil {
+				return r, err
+			}
+			r.Path = string(u.Path())
+		default:
+			h.Add(e.GetKey(), e.GetValue())
+		}
+	}
+	return r, nil
+}
+
+// descriptorStatus is a descriptor's status: its code, and the limit, remaining and reset of the
+// rule its RateLimit fields describe.
+func descriptorStatus(r *limiter.Result) *rlsv3.RateLimitResponse_DescriptorStatus {
+	st := &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OK}
+	if r.Outcome == limiter.Limited {
+		st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
+	}
+	if r.Rule == nil {
+		return st
+	}
+	d := r.Decision
+	st.CurrentLimit = &rlsv3.RateLimitResponse_RateLimit{Name: r.Rule.Name, RequestsPerUnit: uint32(min(d.Limit, 1<<32-1))}
+	st.CurrentLimit.Unit, st.CurrentLimit.UnitMultiplier = unitOf(r.Rule.Limit.Period)
+	st.LimitRemaining = uint32(min(max(d.Remaining, 0), 1<<32-1))
+	st.DurationUntilReset = durationpb.New(d.Reset)
+	return st
+}
+
+// unitOf expresses a period in Envoy's units: the largest unit it is a whole number of, and the
+// number. A period of no whole second is UNKNOWN.
+func unitOf(period time.Duration) (rlsv3.RateLimitResponse_RateLimit_Unit, *wrapperspb.UInt32Value) {
+	for _, u := range []struct {
+		d    time.Duration
+		unit rlsv3.RateLimitResponse_RateLimit_Unit
+	}{
+		{24 * time.Hour, rlsv3.RateLimitResponse_RateLimit_DAY},
+		{time.Hour, rlsv3.RateLimitResponse_RateLimit_HOUR},
+		{time.Minute, rlsv3.RateLimitResponse_RateLimit_MINUTE},
+		{time.Second, rlsv3.RateLimitResponse_RateLimit_SECOND},
+	} {
+		if period >= u.d && period%u.d == 0 {
+			n := period / u.d
+			if n == 1 {
+				return u.unit, nil
+			}
+			return u.unit, wrapperspb.UInt32(uint32(n))
+		}
+	}
+	return rlsv3.RateLimitResponse_RateLimit_UNKNOWN, nil
+}
