@@ -8,12 +8,15 @@
 //	fasthello      a fasthttp handler that answers 200 ok
 //	fastproxy      a fasthttp server forwarding each request with a fasthttp.HostClient: the
 //	               fastest Go HTTP/1.1 proxy of the field's libraries, without any decision
+//	rls            a grpc-go server of Envoy's rate limit service that answers every call OK
+//	               without deciding anything: measure it with bench/rlsload
 //
 // It is a measuring tool, not a proxy: no hop-by-hop headers, bodies, upgrades or timeouts.
 package main
 
 import (
 	"bufio"
+	"context"
 	"flag"
 	"io"
 	"log"
@@ -22,7 +25,9 @@ import (
 	"net/http/httputil"
 	"net/url"
 
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/valyala/fasthttp"
+	"google.golang.org/grpc"
 )
 
 type upstreamConn struct {
@@ -32,13 +37,21 @@ type upstreamConn struct {
 }
 
 func main() {
-	mode := flag.String("mode", "hello", "hello, proxy, reverseproxy, fasthello or fastproxy")
+	mode := flag.String("mode", "hello", "hello, proxy, reverseproxy, fasthello, fastproxy or rls")
 	listen := flag.String("listen", "127.0.0.1:18290", "address to serve")
 	upstream := flag.String("upstream", "127.0.0.1:18180", "upstream host:port (proxy modes)")
 	flag.Parse()
 
 	var h http.Handler
 	switch *mode {
+	case "rls":
+		ln, err := net.Listen("tcp", *listen)
+		if err != nil {
+			log.Fatal(err)
+		}
+		srv := grpc.NewServer()
+		rlsv3.RegisterRateLimitServiceServer(srv, okRLS{})
+		log.Fatal(srv.Serve(ln))
 	case "fasthello":
 		log.Fatal(fasthttp.ListenAndServe(*listen, func(ctx *fasthttp.RequestCtx) { ctx.SetBodyString("ok\n") }))
 	case "fastproxy":
@@ -103,4 +116,18 @@ func main() {
 		log.Fatalf("unknown mode %q", *mode)
 	}
 	log.Fatal(http.ListenAndServe(*listen, h)) //nolint:gosec // a benchmark on loopback
+}
+
+// okRLS answers every ShouldRateLimit OK, one status per descriptor, as a service that decides
+// nothing would.
+type okRLS struct {
+	rlsv3.UnimplementedRateLimitServiceServer
+}
+
+func (okRLS) ShouldRateLimit(_ context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
+	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OK}
+	for range req.GetDescriptors() {
+		resp.Statuses = append(resp.Statuses, &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OK})
+	}
+	return resp, nil
 }
