@@ -65,7 +65,10 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 			// nginx's auth_request passes on 2xx, 401 and 403 only, and turns any other status
 			// into a 500: a refusal is 403, a fail-closed rule's 503 is 401, and the nginx
 			// configuration restores 429 and 503 with error_page (docs/enforcer.md).
-			status = map[int]int{http.StatusTooManyRequests: http.StatusForbidden, http.StatusServiceUnavailable: http.StatusUnauthorized}[status]
+			status = http.StatusForbidden
+			if res.Outcome == limiter.Unavailable {
+				status = http.StatusUnauthorized
+			}
 		}
 		ctx.SetStatusCode(status)
 		ctx.SetBody(body)
