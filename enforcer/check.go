@@ -1,7 +1,6 @@
 package enforcer
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -16,66 +15,85 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 )
 
-// check is the forward-auth API for ingress controllers (ingress-nginx auth-url, Traefik
-// ForwardAuth): it decides the original request described by the headers and answers 200, 429
-// or 503 with the same headers as the proxy, forwarding nothing. The original method and URI come
-// from X-Original-Method and X-Original-URL (ingress-nginx) or X-Forwarded-Method and
-// X-Forwarded-Uri (Traefik). The client address is the ingress's X-Forwarded-For when the ingress
-// is in trustedProxies.
+// check is the forward-auth API for ingress controllers and gateways: it decides the original
+// request that the headers describe and answers as the proxy would (200, 429 or 503 with the
+// same fields), forwarding nothing. Each endpoint reads the original method and URI from the one
+// source its caller sets, and nothing else, since both callers pass the client's own headers on:
 //
-// An ingress sends one small bodiless HTTP/1.1 request per client request and needs nothing of
+//   - AuthRequestPath, for nginx's auth_request (ingress-nginx's auth-url): X-Original-Method and
+//     X-Original-URL, which nginx sets over the client's;
+//   - ForwardAuthPath, for Traefik's ForwardAuth: X-Forwarded-Method and X-Forwarded-Uri, which
+//     Traefik sets over the client's.
+//
+// A field that is missing, repeated or does not parse is 400. The client address is the
+// caller's X-Forwarded-For when the caller is in trustedProxies.
+//
+// A caller sends one small bodiless HTTP/1.1 request per client request and needs nothing of
 // HTTP/2, upgrades or streaming, so the check API is served by fasthttp, which spends a fraction
 // of net/http's CPU per request (docs/benchmarks.md). A leaky-bucket request's answer is held
-// for its wait, and released at once if the ingress closes the connection meanwhile (holdConn).
+// for its wait, and released at once if the caller closes the connection meanwhile (holdConn).
 type check struct {
 	limiter *limiter.Limiter
 }
 
-// AuthRequestPath is the check API's path for nginx's auth_request (ingress-nginx's auth-url):
-// there a refusal is answered 403, and a fail-closed rule's store failure 401, the only refusals
-// auth_request passes on; on every other path they are 429 and 503.
-const AuthRequestPath = "/auth-request"
+// The check API's endpoints.
+const (
+	// AuthRequestPath is nginx's: a refusal is answered 403 and a fail-closed rule's store
+	// failure 401, the only refusals auth_request passes on (the nginx configuration in
+	// docs/enforcer.md restores 429 and 503 with error_page).
+	AuthRequestPath = "/auth-request"
+	// ForwardAuthPath is Traefik's, answered 429 and 503 as the proxy does.
+	ForwardAuthPath = "/forward-auth"
+)
 
-const missingOriginal = "the check API needs the original method and URI in X-Original-Method and X-Original-URL, or X-Forwarded-Method and X-Forwarded-Uri"
+// endpoint is where one caller of the check API describes the original request.
+type endpoint struct {
+	method, uri string
+	// refused maps a refusal's status to what the caller passes on.
+	refused func(status int) int
+}
+
+var endpoints = map[string]endpoint{
+	AuthRequestPath: {"X-Original-Method", "X-Original-Url", func(status int) int {
+		switch status {
+		case http.StatusTooManyRequests:
+			return http.StatusForbidden
+		case http.StatusServiceUnavailable:
+			return http.StatusUnauthorized
+		}
+		return status
+	}},
+	ForwardAuthPath: {"X-Forwarded-Method", "X-Forwarded-Uri", func(status int) int { return status }},
+}
+
+const unknownEndpoint = "the check API answers on " + AuthRequestPath + " (nginx auth_request: X-Original-Method, X-Original-URL) and " +
+	ForwardAuthPath + " (Traefik ForwardAuth: X-Forwarded-Method, X-Forwarded-Uri)"
 
 func (c *check) serve(ctx *fasthttp.RequestCtx) {
-	header := fastHeader{&ctx.Request.Header}
-	method := header.first("X-Original-Method", "X-Forwarded-Method")
-	uri := header.first("X-Original-Url", "X-Forwarded-Uri")
-	if method == "" || uri == "" {
-		ctx.Error(missingOriginal, http.StatusBadRequest)
+	ep, ok := endpoints[b2s(ctx.Path())]
+	resp := &ctx.Response.Header
+	if !ok {
+		ctx.SetStatusCode(http.StatusNotFound)
+		ctx.SetBody(malformed(resp.Set, http.StatusNotFound, unknownEndpoint))
 		return
 	}
-	// Decoded, and with dot segments resolved, as the proxy decides and the upstream reads it.
-	var u fasthttp.URI
-	path := uri
-	// A URI without a scheme is a request target: "//admin" is a path, not an authority.
-	if err := u.Parse([]byte("original"), []byte(uri)); err == nil {
-		path = string(u.Path())
+	header := fastHeader{&ctx.Request.Header}
+	method, err1 := header.one(ep.method)
+	uri, err2 := header.one(ep.uri)
+	var v verdict
+	if err := errors.Join(err1, err2); err != nil {
+		v = invalid(http.StatusBadRequest, strings.ReplaceAll(err.Error(), "\n", "; ")+"; "+unknownEndpoint)
+	} else {
+		v = decide(c.limiter, &input{method: method, target: uri, header: header, peer: remoteAddr(ctx)})
 	}
-	// Not ctx: fasthttp cancels every request's context when the server shuts down, and a
-	// decision in flight then must still be made, not failed over. The store's own deadline
-	// bounds it.
-	res := c.limiter.Decide(context.Background(), &limiter.Request{Method: strings.ToUpper(method), Path: path, Header: header, Peer: remoteAddr(ctx)})
-	resp := &ctx.Response.Header
-	setRateLimitHeaders(resp.Set, &res)
-	if res.Outcome != limiter.Allowed {
-		status, body := refusal(resp.Set, &res)
-		if string(ctx.Path()) == AuthRequestPath {
-			// nginx's auth_request passes on 2xx, 401 and 403 only, and turns any other status
-			// into a 500: a refusal is 403, a fail-closed rule's 503 is 401, and the nginx
-			// configuration restores 429 and 503 with error_page (docs/enforcer.md).
-			status = http.StatusForbidden
-			if res.Outcome == limiter.Unavailable {
-				status = http.StatusUnauthorized
-			}
-		}
-		ctx.SetStatusCode(status)
+	body := v.write(resp.Set)
+	if v.status != http.StatusOK {
+		ctx.SetStatusCode(ep.refused(v.status))
 		ctx.SetBody(body)
 		return
 	}
-	if !holdConn(ctx.Conn(), res.Wait) {
-		ctx.SetConnectionClose() // the ingress gave up: nobody reads the answer
+	if !holdConn(ctx.Conn(), v.Wait) {
+		ctx.SetConnectionClose() // the caller gave up: nobody reads the answer
 	}
 }
 
@@ -90,14 +108,16 @@ func (f fastHeader) Values(name string) []string {
 	return values
 }
 
-// first returns the first value of the first of the fields that has a non-empty one.
-func (f fastHeader) first(names ...string) string {
-	for _, n := range names {
-		if v := f.h.Peek(n); len(v) > 0 {
-			return string(v)
-		}
+// one returns the value of a field that must be sent once, and not empty.
+func (f fastHeader) one(name string) (string, error) {
+	switch values := f.h.PeekAll(name); {
+	case len(values) == 0 || len(values[0]) == 0:
+		return "", fmt.Errorf("header %s is missing", name)
+	case len(values) > 1:
+		return "", fmt.Errorf("header %s is sent more than once", name)
+	default:
+		return b2s(values[0]), nil
 	}
-	return ""
 }
 
 func remoteAddr(ctx *fasthttp.RequestCtx) netip.Addr {
@@ -109,11 +129,12 @@ func remoteAddr(ctx *fasthttp.RequestCtx) netip.Addr {
 
 // newCheckServer serves the check API with the proxy's limits against slow and oversized
 // clients: readTimeout to read a request, 120 s idle, 64 KiB of header.
-func newCheckServer(c *check, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
+func newCheckServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
 	return &fasthttp.Server{
-		Handler:               c.serve,
+		Handler:               h,
 		ReadTimeout:           readTimeout,
-		IdleTimeout:           120 * time.Second,
+		IdleTimeout:           idleTimeout,
+		ReduceMemoryUsage:     true,     // an idle connection holds no 64 KiB buffers
 		ReadBufferSize:        64 << 10, // fasthttp's header size limit
 		MaxRequestBodySize:    64 << 10, // ingresses send none
 		NoDefaultServerHeader: true,

@@ -465,13 +465,59 @@ func TestCheckAPIWhenOriginalRequestIsDescribedThenItIsDecidedAndNothingForwarde
 `, "  trustedProxies: [\"127.0.0.0/8\"]\n"), up, nil)
 	nginx := []string{"X-Original-Method", "POST", "X-Original-URL", "https://shop.example/orders?id=1"}
 	traefik := []string{"X-Forwarded-Method", "POST", "X-Forwarded-Uri", "/orders"}
-	got := []int{get(t, e.check, nginx...).StatusCode, get(t, e.check, traefik...).StatusCode, get(t, e.check, nginx...).StatusCode,
-		get(t, e.check, "X-Original-Method", "GET", "X-Original-URL", "/orders").StatusCode, get(t, e.check+"/").StatusCode}
-	if want := []int{200, 200, 429, 200, 400}; !slices.Equal(got, want) {
-		t.Errorf("statuses %v, want %v (two writes, a refusal, an unmatched read, a request without the original)", got, want)
+	auth, forward := e.check+enforcer.AuthRequestPath, e.check+enforcer.ForwardAuthPath
+	got := []int{get(t, auth, nginx...).StatusCode, get(t, forward, traefik...).StatusCode, get(t, auth, nginx...).StatusCode,
+		get(t, forward, traefik...).StatusCode, get(t, auth, "X-Original-Method", "GET", "X-Original-URL", "/orders").StatusCode,
+		get(t, auth).StatusCode, get(t, forward).StatusCode, get(t, e.check+"/", traefik...).StatusCode}
+	if want := []int{200, 200, 403, 429, 200, 400, 400, 404}; !slices.Equal(got, want) {
+		t.Errorf("statuses %v, want %v (two writes, a refusal at each endpoint, an unmatched read, two requests without the original, the root)", got, want)
 	}
 	if up.hits.Load() != 0 {
 		t.Errorf("the check API forwarded %d requests", up.hits.Load())
+	}
+}
+
+// Each endpoint reads the original request from the one source its caller sets, since both
+// callers pass the client's own headers on: a client's X-Original-* cannot steer a Traefik
+// decision, nor its X-Forwarded-* an nginx one; a repeated or unparseable original is 400.
+func TestCheckAPIWhenTheClientSendsTheOtherCallersHeadersThenTheyAreIgnored(t *testing.T) {
+	e := start(t, policyDoc("check-sources", `    - name: admin
+      match: {path: {type: Prefix, value: /admin}}
+      fixedWindow: {limit: 1, window: 1h}
+`), nil, nil)
+	forward, auth := e.check+enforcer.ForwardAuthPath, e.check+enforcer.AuthRequestPath
+	// Traefik sets X-Forwarded-*; the client adds X-Original-* pointing elsewhere.
+	spoofT := []string{"X-Forwarded-Method", "GET", "X-Forwarded-Uri", "/admin", "X-Original-Method", "GET", "X-Original-Url", "/public"}
+	if got := []int{get(t, forward, spoofT...).StatusCode, get(t, forward, spoofT...).StatusCode}; !slices.Equal(got, []int{200, 429}) {
+		t.Errorf("Traefik endpoint with the client's X-Original-*: %v, want [200 429]", got)
+	}
+	spoofN := []string{"X-Original-Method", "GET", "X-Original-Url", "http://h/admin", "X-Forwarded-Method", "GET", "X-Forwarded-Uri", "/public"}
+	if s := get(t, auth, spoofN...).StatusCode; s != http.StatusForbidden {
+		t.Errorf("nginx endpoint with the client's X-Forwarded-*: %d, want 403 (the /admin limit is spent)", s)
+	}
+	for name, raw := range map[string]string{
+		"repeated uri":        "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: /public\r\nX-Forwarded-Uri: /admin\r\n",
+		"not a path":          "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: admin\r\n",
+		"target over 8 KiB":   "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: /" + strings.Repeat("a", enforcer.MaxTargetBytes) + "\r\n",
+		"repeated method":     "X-Forwarded-Method: GET\r\nX-Forwarded-Method: POST\r\nX-Forwarded-Uri: /public\r\n",
+		"nginx without a URI": "X-Original-Method: GET\r\n",
+	} {
+		path := enforcer.ForwardAuthPath
+		if strings.HasPrefix(raw, "X-Original") {
+			path = enforcer.AuthRequestPath
+		}
+		want := http.StatusBadRequest
+		if name == "target over 8 KiB" {
+			want = http.StatusRequestURITooLong
+		}
+		if got := rawStatus(t, e.CheckAddr, "GET "+path+" HTTP/1.1\r\nHost: check\r\n"+raw+"Connection: close\r\n\r\n"); got != want {
+			t.Errorf("%s: %d, want %d", name, got, want)
+		}
+	}
+	// At the edge: a target of exactly MaxTargetBytes is decided.
+	edge := "/p" + strings.Repeat("a", enforcer.MaxTargetBytes-2)
+	if s := get(t, forward, "X-Forwarded-Method", "GET", "X-Forwarded-Uri", edge).StatusCode; s != http.StatusOK {
+		t.Errorf("a target of %d bytes: %d, want 200", len(edge), s)
 	}
 }
 
@@ -756,12 +802,13 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 	from := func(ip, path string) []string {
 		return []string{"X-Forwarded-Method", "GET", "X-Forwarded-Uri", path, "X-Forwarded-For", ip}
 	}
+	check := e.check + enforcer.ForwardAuthPath
 	for _, ip := range []string{"203.0.113.1", "203.0.113.2"} {
-		if s := get(t, e.check, from(ip, "/a")...).StatusCode; s != http.StatusOK {
+		if s := get(t, check, from(ip, "/a")...).StatusCode; s != http.StatusOK {
 			t.Fatalf("first request of %s: %d, want 200 (each client has its own bucket)", ip, s)
 		}
 	}
-	req, _ := http.NewRequest(http.MethodGet, e.check, nil)
+	req, _ := http.NewRequest(http.MethodGet, check, nil)
 	for h := from("203.0.113.1", "/a"); len(h) > 0; h = h[2:] {
 		req.Header.Set(h[0], h[1])
 	}
@@ -788,7 +835,7 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 		t.Errorf("body %s (%s), want an application/problem+json naming rule per-client", body, ct)
 	}
 
-	if s := get(t, e.check, append(from("203.0.113.3", "/a"), "X-Padding", strings.Repeat("x", 70<<10))...).StatusCode; s != http.StatusRequestHeaderFieldsTooLarge {
+	if s := get(t, check, append(from("203.0.113.3", "/a"), "X-Padding", strings.Repeat("x", 70<<10))...).StatusCode; s != http.StatusRequestHeaderFieldsTooLarge {
 		t.Errorf("a 70 KiB header: %d, want 431", s)
 	}
 
@@ -803,7 +850,7 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 		if size < 64<<10 {
 			body = strings.Repeat("b", size)
 		}
-		_, _ = fmt.Fprintf(conn, "POST / HTTP/1.1\r\nHost: check\r\nX-Forwarded-Method: POST\r\nX-Forwarded-Uri: /b\r\nContent-Length: %d\r\n\r\n%s", size, body)
+		_, _ = fmt.Fprintf(conn, "POST /forward-auth HTTP/1.1\r\nHost: check\r\nX-Forwarded-Method: POST\r\nX-Forwarded-Uri: /b\r\nContent-Length: %d\r\n\r\n%s", size, body)
 		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 		if err != nil {
 			t.Fatalf("a %d-byte body: %v", size, err)
@@ -815,9 +862,9 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 		}
 	}
 
-	get(t, e.check, from("203.0.113.4", "/q")...) // departs at once; the next waits 1s
+	get(t, check, from("203.0.113.4", "/q")...) // departs at once; the next waits 1s
 	held := make(chan int)
-	go func() { held <- get(t, e.check, from("203.0.113.4", "/q")...).StatusCode }()
+	go func() { held <- get(t, check, from("203.0.113.4", "/q")...).StatusCode }()
 	time.Sleep(200 * time.Millisecond)
 	e.stop()
 	if s := <-held; s != http.StatusOK {

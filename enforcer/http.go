@@ -9,7 +9,6 @@ import (
 	"net/url"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/policy"
@@ -33,7 +32,7 @@ type problem struct {
 	Detail     string `json:"detail"`
 	Policy     string `json:"policy,omitempty"`
 	Rule       string `json:"rule,omitempty"`
-	RetryAfter int64  `json:"retryAfter"`
+	RetryAfter int64  `json:"retryAfter,omitempty"`
 }
 
 // refusal describes a refused request: 429 for a limit, 503 when a fail-closed rule's store is
@@ -56,6 +55,15 @@ func refusal(set func(name, value string), res *limiter.Result) (status int, bod
 	set("Cache-Control", "no-store")
 	body, _ = json.Marshal(p) // strings and integers: cannot fail
 	return p.Status, append(body, '\n')
+}
+
+// malformed describes a request that cannot be decided as sent (400, 414): nothing was charged.
+func malformed(set func(name, value string), status int, detail string) []byte {
+	p := problem{Type: "https://sluice.dev/problems/malformed-request", Title: http.StatusText(status), Status: status, Detail: detail}
+	set("Content-Type", "application/problem+json")
+	set("Cache-Control", "no-store")
+	body, _ := json.Marshal(p)
+	return append(body, '\n')
 }
 
 func peerAddr(r *http.Request) netip.Addr {
@@ -111,33 +119,20 @@ func (b *bufferPool) Get() []byte {
 func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
 
 func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	res := p.limiter.Decide(r.Context(), &limiter.Request{Method: r.Method, Path: r.URL.Path, Header: r.Header, Peer: peerAddr(r)})
 	h := w.Header()
-	setRateLimitHeaders(h.Set, &res)
-	if res.Outcome != limiter.Allowed {
-		status, body := refusal(h.Set, &res)
-		w.WriteHeader(status)
+	if r.Method == http.MethodConnect {
+		w.WriteHeader(http.StatusMethodNotAllowed) // a tunnel, whose traffic nothing would decide
+		return
+	}
+	// RequestURI is the target as received (HTTP/2's :path), before net/http's own reading.
+	v := decide(p.limiter, &input{method: r.Method, target: r.RequestURI, header: r.Header, peer: peerAddr(r)})
+	if body := v.write(h.Set); v.status != http.StatusOK {
+		w.WriteHeader(v.status)
 		_, _ = w.Write(body)
 		return
 	}
-	if !hold(r, res.Wait) {
+	if !hold(v.Wait, r.Context().Done()) {
 		return
 	}
 	p.rp.ServeHTTP(w, r)
-}
-
-// hold keeps a leaky-bucket request for its wait. It reports false when the client went away
-// meanwhile: the request is then released at once.
-func hold(r *http.Request, wait time.Duration) bool {
-	if wait <= 0 {
-		return true
-	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-r.Context().Done():
-		return false
-	}
 }

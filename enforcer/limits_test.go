@@ -12,9 +12,9 @@ import (
 
 // rawGet sends a GET whose request line and header block, up to and including the blank line,
 // is exactly size bytes, and returns the status.
-func rawGet(t *testing.T, addr string, size int, extra string) int {
+func rawGet(t *testing.T, addr, path string, size int, extra string) int {
 	t.Helper()
-	head := "GET /limits HTTP/1.1\r\nHost: enforcer\r\n" + extra + "Connection: close\r\nX-Padding: "
+	head := "GET " + path + " HTTP/1.1\r\nHost: enforcer\r\n" + extra + "Connection: close\r\nX-Padding: "
 	pad := size - len(head) - len("\r\n\r\n")
 	conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
 	if err != nil {
@@ -41,17 +41,17 @@ func TestEnforcerWhenTheHeaderBlockIsOver64KiBThenEveryListenerAnswers431(t *tes
       fixedWindow: {limit: 1000, window: 1h}
 `), up, nil)
 	listeners := []struct {
-		name, addr, extra string
+		name, addr, path, extra string
 	}{
-		{"proxy", e.ProxyAddr, ""},
-		{"check API", e.CheckAddr, "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: /limits\r\n"},
-		{"admin", e.AdminAddr, ""},
+		{"proxy", e.ProxyAddr, "/limits", ""},
+		{"check API", e.CheckAddr, "/forward-auth", "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: /limits\r\n"},
+		{"admin", e.AdminAddr, "/limits", ""},
 	}
 	for _, l := range listeners {
-		if s := rawGet(t, l.addr, 64<<10, l.extra); s == http.StatusRequestHeaderFieldsTooLarge || s >= 500 {
+		if s := rawGet(t, l.addr, l.path, 64<<10, l.extra); s == http.StatusRequestHeaderFieldsTooLarge || s >= 500 {
 			t.Errorf("%s: a 64 KiB header block got %d", l.name, s)
 		}
-		if s := rawGet(t, l.addr, 64<<10+1, l.extra); s != http.StatusRequestHeaderFieldsTooLarge {
+		if s := rawGet(t, l.addr, l.path, 64<<10+1, l.extra); s != http.StatusRequestHeaderFieldsTooLarge {
 			t.Errorf("%s: a header block of 64 KiB and one byte got %d, want 431", l.name, s)
 		}
 	}

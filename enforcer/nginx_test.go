@@ -1,7 +1,9 @@
 package enforcer_test
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -17,12 +19,11 @@ import (
 )
 
 // ingressNginx is nginx configured as ingress-nginx renders an Ingress with the auth-url and
-// auth-response-headers annotations (its external-auth location and auth_request), in five
+// auth-response-headers annotations (its external-auth location and auth_request), in four
 // servers:
 //   - snippets: plus the configuration-snippet and server-snippet of docs/enforcer.md, with
 //     auth-url pointing at the check API's /auth-request;
 //   - annotations: the annotations alone, auth-url at /auth-request;
-//   - naive: the annotations alone, auth-url at the check API's root, as these docs once said;
 //   - proxy: the Ingress routed to the enforcer's proxy port instead of the upstream;
 //   - closed: the snippets' 503 path, in front of an enforcer whose Redis is down.
 const ingressNginx = `
@@ -82,15 +83,6 @@ http {
   }
 
   server {
-    listen 127.0.0.1:{{naive}};
-    {{auth "{{check}}/"}}
-    location / {
-      auth_request /_external-auth;
-      proxy_pass {{upstream}};
-    }
-  }
-
-  server {
     listen 127.0.0.1:{{closed}};
     # the snippets' server, with auth-url at an enforcer whose Redis is down
     location @sluice_503 {
@@ -132,6 +124,26 @@ const authLocation = `location = /_external-auth {
       proxy_http_version 1.1;
       proxy_pass %s;
     }`
+
+// rawStatus sends one raw request on a connection of its own and returns the status.
+func rawStatus(t *testing.T, addr, request string) int {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.WriteString(conn, request); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("%q: %v", request, err)
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
 
 // startNginx runs the real nginx with a configuration until the test ends.
 func startNginx(t *testing.T, conf string) {
@@ -175,9 +187,9 @@ func freePort(t *testing.T) string {
 // Through the real nginx, configured as ingress-nginx renders auth-url: with the documented
 // snippets a refusal reaches the client as 429 with Retry-After and the RateLimit fields, and an
 // allowed request reaches the upstream and the client gets the fields; with the annotations
-// alone, a refusal is a 403; at the check API's root, where auth_request sees a 429, every
-// refusal is a 500 (why /auth-request exists); and with the Ingress routed to the enforcer's
-// proxy, refusals are 429 with everything, no snippet needed.
+// alone, a refusal is a 403; and with the Ingress routed to the enforcer's proxy, refusals are
+// 429 with everything, no snippet needed. A Host whose port does not parse is decided on the
+// path the upstream reads, like any other.
 func TestNginxWhenConfiguredAsIngressNginxRendersAuthURLThenRefusalsReachClientsAs429(t *testing.T) {
 	up := newUpstream(t)
 	e := start(t, policyDoc("nginx", `    - name: per-client
@@ -190,11 +202,10 @@ func TestNginxWhenConfiguredAsIngressNginxRendersAuthURLThenRefusalsReachClients
       fixedWindow: {limit: 10, window: 1h}
       failureMode: Closed
 `), up, &store.RedisOptions{Addrs: []string{"127.0.0.1:" + dead}, Timeout: 50 * time.Millisecond})
-	ports := map[string]string{"snippets": freePort(t), "annotations": freePort(t), "naive": freePort(t), "proxy": freePort(t), "closed": freePort(t)}
+	ports := map[string]string{"snippets": freePort(t), "annotations": freePort(t), "proxy": freePort(t), "closed": freePort(t)}
 	conf := ingressNginx
 	conf = strings.ReplaceAll(conf, `{{auth "{{closedcheck}}/auth-request"}}`, fmt.Sprintf(authLocation, closed.check+"/auth-request"))
 	conf = strings.ReplaceAll(conf, `{{auth "{{check}}/auth-request"}}`, fmt.Sprintf(authLocation, e.check+"/auth-request"))
-	conf = strings.ReplaceAll(conf, `{{auth "{{check}}/"}}`, fmt.Sprintf(authLocation, e.check+"/"))
 	conf = strings.ReplaceAll(conf, "{{upstream}}", up.URL)
 	conf = strings.ReplaceAll(conf, "{{enforcer}}", e.proxy)
 	for name, port := range ports {
@@ -212,7 +223,7 @@ func TestNginxWhenConfiguredAsIngressNginxRendersAuthURLThenRefusalsReachClients
 	send := func(server, client string) reply {
 		return get(t, "http://127.0.0.1:"+ports[server]+"/orders", "X-Client", client)
 	}
-	for server, refused := range map[string]int{"snippets": 429, "annotations": 403, "naive": 500, "proxy": 429} {
+	for server, refused := range map[string]int{"snippets": 429, "annotations": 403, "proxy": 429} {
 		client := "client-" + server
 		hits := up.hits.Load()
 		for i := range 2 {
@@ -242,8 +253,19 @@ func TestNginxWhenConfiguredAsIngressNginxRendersAuthURLThenRefusalsReachClients
 			t.Errorf("%s: the refused request reached the upstream", server)
 		}
 	}
-	// A fail-closed rule whose store cannot answer: 503 with Retry-After, not 500.
+	// nginx passes a Host whose port is not a number on in X-Original-URL: the decision is on the
+	// path all the same, so the client that sends one is limited like any other.
 	hits := up.hits.Load()
+	for i, want := range []int{200, 200, 403} {
+		if got := rawStatus(t, "127.0.0.1:"+ports["annotations"], "GET /orders HTTP/1.1\r\nHost: shop.example:notaport\r\nX-Client: bad-host\r\nConnection: close\r\n\r\n"); got != want {
+			t.Errorf("Host with an unparseable port, request %d: %d, want %d", i, got, want)
+		}
+	}
+	if got := up.hits.Load() - hits; got != 2 {
+		t.Errorf("the upstream saw %d requests of the client with the odd Host, want 2", got)
+	}
+	// A fail-closed rule whose store cannot answer: 503 with Retry-After, not 500.
+	hits = up.hits.Load()
 	if r := send("closed", "anyone"); r.StatusCode != http.StatusServiceUnavailable || r.Header.Get("Retry-After") == "" {
 		t.Errorf("the store failure reached the client as %d, Retry-After %q; want 503 with Retry-After", r.StatusCode, r.Header.Get("Retry-After"))
 	}

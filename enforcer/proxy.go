@@ -9,9 +9,11 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/go-logr/logr"
 	"github.com/valyala/fasthttp"
@@ -31,6 +33,8 @@ type fastProxy struct {
 	// dialUpgrade opens a connection to the upstream for an upgraded request.
 	dialUpgrade func(ctx context.Context) (net.Conn, error)
 	log         logr.Logger
+	// panics contains those of an upgraded connection's splice, which runs beside the server.
+	panics *panics
 }
 
 func newFastProxy(l *limiter.Limiter, upstream *url.URL, log logr.Logger) *fastProxy {
@@ -69,25 +73,36 @@ func newFastProxy(l *limiter.Limiter, upstream *url.URL, log logr.Logger) *fastP
 
 func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	req := &ctx.Request
-	res := p.limiter.Decide(context.Background(), &limiter.Request{
-		Method: string(req.Header.Method()),
-		Path:   string(ctx.Path()), // decoded, and with dot segments resolved as the upstream will
-		Header: fastHeader{&req.Header},
-		Peer:   remoteAddr(ctx),
-	})
-	if res.Outcome != limiter.Allowed {
-		resp := &ctx.Response.Header
-		setRateLimitHeaders(resp.Set, &res)
-		status, body := refusal(resp.Set, &res)
-		ctx.SetStatusCode(status)
-		ctx.SetBody(body)
-		return
-	}
-	if !holdConn(ctx.Conn(), res.Wait) {
-		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
+	resp := &ctx.Response.Header
+	if req.Header.IsConnect() {
+		ctx.SetStatusCode(http.StatusMethodNotAllowed) // a tunnel, whose traffic nothing would decide
 		return
 	}
 	upgrade := upgradeType(&req.Header)
+	if upgrade != "" && !strings.EqualFold(upgrade, "websocket") {
+		// A spliced connection carries requests nothing decides: only WebSocket, one request
+		// for its whole life, is spliced. h2c upgrades are deprecated (RFC 9113, 3.1); HTTP/2
+		// without TLS is served with prior knowledge.
+		ctx.SetStatusCode(http.StatusBadRequest)
+		ctx.SetBody(malformed(resp.Set, http.StatusBadRequest, "upgrade to "+strconv.Quote(abbreviate(upgrade))+" refused: only websocket is proxied; speak HTTP/2 with prior knowledge"))
+		ctx.SetConnectionClose()
+		return
+	}
+	v := decide(p.limiter, &input{
+		method: b2s(req.Header.Method()),
+		target: b2s(req.Header.RequestURI()),
+		header: fastHeader{&req.Header},
+		peer:   remoteAddr(ctx),
+	})
+	if v.status != http.StatusOK {
+		ctx.SetStatusCode(v.status)
+		ctx.SetBody(v.write(resp.Set))
+		return
+	}
+	if !holdConn(ctx.Conn(), v.Wait) {
+		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
+		return
+	}
 	p.rewrite(ctx, req)
 	if upgrade != "" {
 		p.upgrade(ctx, upgrade)
@@ -105,8 +120,12 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	}
 	removeHopHeaders(&ctx.Response.Header)
 	// After the upstream's fields, which the response now holds.
-	setRateLimitHeaders(ctx.Response.Header.Set, &res)
+	v.write(ctx.Response.Header.Set)
 }
+
+// b2s is a string that shares a byte slice's memory, for reading fasthttp's request fields
+// during the request, which owns them: nothing may keep it past the handler.
+func b2s(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // rewrite turns the client's request into the upstream's, as httputil.ReverseProxy's Rewrite
 // with SetURL and SetXForwarded: the upstream's scheme and address, the client's Host kept,
@@ -114,13 +133,14 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 // -Proto set.
 func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 	h := &req.Header
-	var buf [256]byte
-	host := append(buf[:0], h.Host()...)
+	// Copies, on the stack while they are short: removing fields moves the bytes Peek points into.
+	var hostBuf, xffBuf [128]byte
+	host := append(hostBuf[:0], h.Host()...)
 	if len(host) == 0 {
 		host = append(host, p.upstream.Host...) // an HTTP/1.0 client sent none
 	}
 	removeHopHeaders(h)
-	xff := buf[len(host):len(host)]
+	xff := xffBuf[:0]
 	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
 		xff = append(append(xff, prior...), ", "...)
 	}
@@ -205,6 +225,7 @@ func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
 	// connection closed, so that no later request on it bypasses the limits.
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(client net.Conn) {
+		defer p.panics.goroutine("proxy")
 		defer func() { _ = up.Close() }()
 		br := bufio.NewReader(up)
 		resp, err := http.ReadResponse(br, nil)
@@ -256,11 +277,12 @@ func closeWrite(c net.Conn) {
 // newProxyServer serves the proxy's HTTP/1.1 with the limits of the check API: readTimeout to read
 // a request's header block, 120 s idle, 64 KiB of header. Bodies stream: up to 64 KiB is read
 // before the handler runs, the rest while it is forwarded, so uploads of any size pass.
-func newProxyServer(p *fastProxy, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
+func newProxyServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
 	return &fasthttp.Server{
-		Handler:                      p.serve,
+		Handler:                      h,
+		IdleTimeout:                  idleTimeout,
+		ReduceMemoryUsage:            true, // an idle connection holds no 64 KiB buffers
 		ReadTimeout:                  readTimeout,
-		IdleTimeout:                  120 * time.Second,
 		ReadBufferSize:               64 << 10, // fasthttp's header size limit
 		StreamRequestBody:            true,
 		MaxRequestBodySize:           64 << 10, // read ahead; the rest streams

@@ -149,39 +149,35 @@ func TestEnforcerWhenAHeaderBlockIsTooSlowThen408(t *testing.T) {
 	}
 }
 
-// Request paths are decided as the upstream resolves them: dot segments cannot slip a request
-// past a rule that matches its resolved path.
+// Request paths are decided as the upstream resolves them, the same way by every front end:
+// dot segments, repeated slashes and escapes cannot slip a request past a rule that matches its
+// resolved path, over HTTP/1.1, h2c or either check endpoint.
 func TestProxyWhenThePathHasDotSegmentsThenTheRuleOfTheResolvedPathApplies(t *testing.T) {
 	up := newUpstream(t)
 	e := start(t, policyDoc("dots", `    - name: admin
       match: {path: {type: Prefix, value: /admin}}
       fixedWindow: {limit: 1, window: 1h}
 `), up, nil)
-	send := func(path string) int {
-		conn, err := net.Dial("tcp", e.ProxyAddr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = conn.Close() }()
-		_, _ = io.WriteString(conn, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = resp.Body.Close()
-		return resp.StatusCode
-	}
-	if s := send("/admin/users"); s != http.StatusOK {
+	if s := rawStatus(t, e.ProxyAddr, "GET /admin/users HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != http.StatusOK {
 		t.Fatalf("first: %d", s)
 	}
-	for _, path := range []string{"/public/../admin/users", "/admin/./users", "//admin/users", "/%61dmin/users"} {
-		if s := send(path); s != http.StatusTooManyRequests {
+	for _, path := range []string{"/public/../admin/users", "/admin/./users", "//admin/users", "/%61dmin/users", "/public/%2e%2e/admin"} {
+		if s := rawStatus(t, e.ProxyAddr, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != http.StatusTooManyRequests {
 			t.Errorf("proxy, %s: %d, want 429: it is /admin/users to the upstream", path, s)
 		}
-		// The check API decides the original URI an ingress describes the same way.
-		if r := get(t, e.check+"/", "X-Original-Method", "GET", "X-Original-URL", path+"?q=1"); r.StatusCode != http.StatusTooManyRequests {
-			t.Errorf("check API, %s: %d, want 429", path, r.StatusCode)
+		if s := h2cStatus(t, e.ProxyAddr, "GET", path); s != http.StatusTooManyRequests {
+			t.Errorf("proxy over h2c, %s: %d, want 429", path, s)
 		}
+		// The check API decides the original URI an ingress describes the same way.
+		if r := get(t, e.check+enforcer.AuthRequestPath, "X-Original-Method", "GET", "X-Original-URL", "http://x"+path+"?q=1"); r.StatusCode != http.StatusForbidden {
+			t.Errorf("check API for nginx, %s: %d, want 403", path, r.StatusCode)
+		}
+		if r := get(t, e.check+enforcer.ForwardAuthPath, "X-Forwarded-Method", "GET", "X-Forwarded-Uri", path+"?q=1"); r.StatusCode != http.StatusTooManyRequests {
+			t.Errorf("check API for Traefik, %s: %d, want 429", path, r.StatusCode)
+		}
+	}
+	if n := up.hits.Load(); n != 1 {
+		t.Errorf("the upstream saw %d requests, want the first only", n)
 	}
 }
 
@@ -191,10 +187,10 @@ func TestCheckAPIWhenTheIngressLeavesWhileQueuedThenTheAnswerIsReleased(t *testi
       leakyBucket: {capacity: 5, drain: {requests: 1, period: 2s}}
 `), nil, nil)
 	describe := []string{"X-Original-Method", "GET", "X-Original-URL", "/"}
-	get(t, e.check+"/", describe...) // departs at once; the next waits 2s
+	get(t, e.check+enforcer.AuthRequestPath, describe...) // departs at once; the next waits 2s
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.check+"/", nil)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.check+enforcer.AuthRequestPath, nil)
 	req.Header.Set(describe[0], describe[1])
 	req.Header.Set(describe[2], describe[3])
 	if resp, err := client.Do(req); err == nil {
@@ -287,37 +283,37 @@ func TestProxyWhenAnHTTP10ClientSendsNoHostThenTheRequestPasses(t *testing.T) {
 
 // A request that asks to upgrade, to an upstream that does not switch protocols, gets the
 // upstream's answer and a closed connection: no later request on it bypasses the limits.
-func TestProxyWhenTheUpstreamRefusesAnUpgradeThenTheConnectionCarriesNothingUnlimited(t *testing.T) {
+func TestProxyWhenAnUpgradeIsNotWebSocketThenItIsRefusedAndNothingIsSpliced(t *testing.T) {
 	up := newUpstream(t) // answers every request 200, upgrade or not
-	e := start(t, policyDoc("no-upgrade", `    - name: one
-      fixedWindow: {limit: 1, window: 1h}
+	e := start(t, policyDoc("no-upgrade", `    - name: any
+      fixedWindow: {limit: 100, window: 1h}
 `), up, nil)
-	conn, err := net.Dial("tcp", e.ProxyAddr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close() }()
-	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-	br := bufio.NewReader(conn)
-	_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: tunnel\r\n\r\n")
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	_ = resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("the upgrade the upstream ignored: %d, want its 200", resp.StatusCode)
-	}
-	// The limit of 1 is used: a second request on the same connection must not reach the upstream.
-	_, _ = io.WriteString(conn, "GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
-	if resp, err := http.ReadResponse(br, nil); err == nil {
-		_ = resp.Body.Close()
-		if resp.StatusCode == http.StatusOK {
-			t.Error("a second request on the connection passed the limit")
+	for _, protocol := range []string{"h2c", "tunnel", "TLS/1.2"} {
+		conn, err := net.Dial("tcp", e.ProxyAddr)
+		if err != nil {
+			t.Fatal(err)
 		}
+		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+		br := bufio.NewReader(conn)
+		_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: "+protocol+"\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest || !resp.Close {
+			t.Errorf("Upgrade: %s: %d (close %v), want 400 and the connection closed", protocol, resp.StatusCode, resp.Close)
+		}
+		// Nothing more is read from the connection: the next bytes would be a tunnel's.
+		_, _ = io.WriteString(conn, "GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+		if resp, err := http.ReadResponse(br, nil); err == nil {
+			_ = resp.Body.Close()
+			t.Errorf("Upgrade: %s: a second request on the connection got %d", protocol, resp.StatusCode)
+		}
+		_ = conn.Close()
 	}
-	if n := up.hits.Load(); n != 1 {
-		t.Errorf("the upstream saw %d requests, want 1", n)
+	if n := up.hits.Load(); n != 0 {
+		t.Errorf("the upstream saw %d requests, want none", n)
 	}
 }

@@ -2,23 +2,21 @@ package enforcer
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"net/netip"
-	"strconv"
 	"strings"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
-	"github.com/valyala/fasthttp"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/policy"
 )
 
 // Descriptor entry keys with a meaning of their own (docs/enforcer.md, "Envoy's rate limit
@@ -41,16 +39,30 @@ type rls struct {
 	limiter *limiter.Limiter
 }
 
+// Bounds of one ShouldRateLimit call, past which it is refused with RESOURCE_EXHAUSTED before
+// anything is decided; MaxRLSMessageBytes is the gRPC server's limit on a request message.
+const (
+	MaxRLSDescriptors  = 32
+	MaxRLSEntries      = 16
+	MaxRLSMessageBytes = 64 << 10
+)
+
 func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
 	served := false
 	for _, p := range s.limiter.Policies() {
 		served = served || p.ID == req.GetDomain()
 	}
 	if !served {
-		return nil, status.Errorf(codes.InvalidArgument, "domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>", req.GetDomain())
+		return nil, status.Errorf(codes.InvalidArgument, "domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>", abbreviate(req.GetDomain()))
+	}
+	if n := len(req.GetDescriptors()); n > MaxRLSDescriptors {
+		return nil, status.Errorf(codes.ResourceExhausted, "%d descriptors: at most %d are decided in one call", n, MaxRLSDescriptors)
 	}
 	reqs := make([]limiter.Request, len(req.GetDescriptors()))
 	for i, d := range req.GetDescriptors() {
+		if n := len(d.GetEntries()); n > MaxRLSEntries {
+			return nil, status.Errorf(codes.ResourceExhausted, "descriptor %d: %d entries, at most %d", i, n, MaxRLSEntries)
+		}
 		if d.GetIsNegativeHits() {
 			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: negative hits are not supported", i)
 		}
@@ -65,8 +77,13 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		r.Policy, r.Hits, r.KeysRequired = req.GetDomain(), max(1, hits), true
 		reqs[i] = r
 	}
+	// Detached from the call, as every front end decides (seam.go): Envoy's timeout must not
+	// fail the store.
 	per, overall := s.limiter.DecideAll(context.WithoutCancel(ctx), reqs)
-	if overall.Outcome == limiter.Unavailable {
+	switch overall.Outcome {
+	case limiter.Invalid:
+		return nil, status.Error(codes.InvalidArgument, overall.Reason)
+	case limiter.Unavailable:
 		// A fail-closed rule whose store cannot answer: Envoy applies its failure_mode_deny.
 		return nil, status.Errorf(codes.Unavailable, "the rate-limit store is unavailable and rule %q fails closed", overall.Rule.Name)
 	}
@@ -80,38 +97,49 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	set := func(name, value string) {
 		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, &corev3.HeaderValue{Key: name, Value: value})
 	}
-	setRateLimitHeaders(set, &overall)
-	if overall.Outcome == limiter.Limited {
-		set("Retry-After", strconv.FormatInt(max(1, policy.Seconds(overall.RetryAfter)), 10))
-	}
+	v := judge(overall)
+	v.write(func(name, value string) {
+		if name != "Content-Type" && name != "Cache-Control" { // Envoy writes its own 429
+			set(name, value)
+		}
+	})
+	// A leaky bucket's wait is not held: Envoy's call times out in milliseconds (20 ms by
+	// default) and then applies its own failure mode, so a held answer would only turn a queue
+	// into Envoy's failure_mode_deny. Over RLS a leaky bucket admits its capacity at once and
+	// its drain rate after that (docs/enforcer.md).
 	return resp, nil
 }
 
 // descriptorRequest maps a descriptor's entries onto a request.
 func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, error) {
 	h := http.Header{}
-	r := limiter.Request{Header: h}
+	in := input{header: h, target: "/"}
+	var peer netip.Addr
+	hasPath := false
 	for _, e := range d.GetEntries() {
 		switch strings.ToLower(e.GetKey()) {
 		case EntryRemoteAddress:
 			a, err := netip.ParseAddr(e.GetValue())
 			if err != nil {
-				return r, err
+				return limiter.Request{}, err
 			}
-			r.Peer = a.Unmap()
+			peer = a.Unmap()
 		case EntryMethod:
-			r.Method = strings.ToUpper(e.GetValue())
+			in.method = e.GetValue()
 		case EntryPath:
-			// Decoded, and with dot segments resolved, as the proxy decides paths; no query.
-			var u fasthttp.URI
-			if err := u.Parse([]byte("descriptor"), []byte(e.GetValue())); err != nil {
-				return r, err
-			}
-			r.Path = string(u.Path())
+			in.target, hasPath = e.GetValue(), true
 		default:
 			h.Add(e.GetKey(), e.GetValue())
 		}
 	}
+	r, bad := in.request()
+	if bad != nil {
+		return r, errors.New(bad.detail)
+	}
+	if !hasPath {
+		r.Path = "" // a descriptor without a path carries none: rules keyed on it do not apply
+	}
+	r.Peer = peer
 	return r, nil
 }
 

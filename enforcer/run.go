@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 	grpchealth "google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/report"
@@ -57,6 +58,13 @@ type Config struct {
 	// ReadTimeout bounds the reading of a request's header block on every listener: a client
 	// that takes longer gets 408. Default 10s.
 	ReadTimeout time.Duration
+	// WriteTimeout ends a connection whose writes make no progress for that long, on every
+	// listener: a client that stops reading holds nothing for ever. Default DefaultWriteTimeout.
+	WriteTimeout time.Duration
+	// MaxConns bounds each listener's open connections, and MaxConnsPerClient those from one
+	// address; a connection over either is answered 503 or 429 and closed as it is accepted.
+	// Defaults DefaultMaxConns and DefaultMaxConnsPerClient.
+	MaxConns, MaxConnsPerClient int
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
 	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
@@ -92,6 +100,9 @@ type Enforcer struct {
 	// done closes when the enforcer has stopped; err is why, if anything failed.
 	done chan struct{}
 	err  error
+	// panics contains the request paths' panics; conns counts the listeners' connections.
+	panics *panics
+	conns  *connMetrics
 }
 
 // Run starts the enforcer and serves until ctx is done, then stops as Wait describes.
@@ -120,6 +131,15 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if cfg.ReadTimeout <= 0 {
 		cfg.ReadTimeout = 10 * time.Second
 	}
+	if cfg.WriteTimeout <= 0 {
+		cfg.WriteTimeout = DefaultWriteTimeout
+	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = DefaultMaxConns
+	}
+	if cfg.MaxConnsPerClient <= 0 {
+		cfg.MaxConnsPerClient = DefaultMaxConnsPerClient
+	}
 	data, err := os.ReadFile(cfg.PolicyFile)
 	if err != nil {
 		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
@@ -142,7 +162,8 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	} else {
 		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, Now: cfg.Now})
 	}
-	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{})}
+	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{}),
+		panics: newPanics(reg, cfg.Log), conns: newConnMetrics(reg)}
 	e.started = e.now()
 	e.limiter.SetPolicies(policies)
 	e.served.Store(&served{Revision: report.Revision(data), Since: e.started, Source: report.SourceFile})
@@ -189,17 +210,20 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	}
 	var serveProxy func(net.Listener) func(context.Context) error
 	if cfg.Upstream != nil {
-		serveProxy = e.serveProxy(newFastProxy(e.limiter, cfg.Upstream, cfg.Log), newProxy(e.limiter, cfg.Upstream, transport))
+		fast := newFastProxy(e.limiter, cfg.Upstream, cfg.Log)
+		fast.panics = e.panics
+		serveProxy = e.serveProxy(fast, e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, transport)))
 	}
 	servers := []struct {
+		name   string
 		addr   *string
 		listen string
 		serve  func(net.Listener) func(context.Context) error
 	}{
-		{&e.AdminAddr, cfg.AdminListen, e.serveHTTP(admin)},
-		{&e.ProxyAddr, cfg.Listen, serveProxy},
-		{&e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
-		{&e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
+		{"admin", &e.AdminAddr, cfg.AdminListen, e.serveHTTP(e.panics.http("admin", admin))},
+		{"proxy", &e.ProxyAddr, cfg.Listen, serveProxy},
+		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
+		{"rls", &e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
 	}
 	for i, s := range servers {
 		if s.listen == "" || s.serve == nil {
@@ -211,6 +235,8 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 			return nil, fmt.Errorf("listen on %s: %w", s.listen, err)
 		}
 		*s.addr = ln.Addr().String()
+		ln = newGuardListener(ln, s.name, connLimits{max: cfg.MaxConns, perClient: cfg.MaxConnsPerClient,
+			writeTimeout: cfg.WriteTimeout, http: s.name != "rls"}, e.conns)
 		if shutdown := s.serve(ln); i == 0 {
 			e.adminShutdown = shutdown
 		} else {
@@ -263,9 +289,10 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 		srv := &http.Server{
 			Handler:           h,
 			ReadHeaderTimeout: e.cfg.ReadTimeout,
-			IdleTimeout:       120 * time.Second,
+			IdleTimeout:       idleTimeout,
 			MaxHeaderBytes:    maxHeaderBytes,
 			Protocols:         &protocols,
+			HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: maxStreams},
 		}
 		return e.run(func() error {
 			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
@@ -282,7 +309,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 func (e *Enforcer) serveProxy(fast *fastProxy, h2 http.Handler) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
 		split := newSplitListener(ln, e.cfg.ReadTimeout)
-		srv := newProxyServer(fast, e.cfg.Log, e.cfg.ReadTimeout)
+		srv := newProxyServer(e.panics.fast("proxy", fast.serve), e.cfg.Log, e.cfg.ReadTimeout)
 		shutdownH1 := e.run(func() error {
 			if err := srv.Serve(split.h1); !errors.Is(err, net.ErrClosed) {
 				return err
@@ -302,6 +329,13 @@ func (e *Enforcer) serveProxy(fast *fastProxy, h2 http.Handler) func(net.Listene
 	}
 }
 
+// idleTimeout closes a connection that has carried no request for that long, on every server;
+// maxStreams bounds the concurrent streams of one HTTP/2 connection (h2c and gRPC).
+const (
+	idleTimeout = 120 * time.Second
+	maxStreams  = 100
+)
+
 // maxHeaderBytes makes net/http answer 431 to a request line and header block over 64 KiB, as
 // the check API does: it reads MaxHeaderBytes plus 4096 bytes of slack, and with h2c on it
 // reads the first bytes of a connection, as long as "PRI * HTTP/2.0", to sniff for the HTTP/2
@@ -311,7 +345,7 @@ const maxHeaderBytes = 64<<10 - 4096 - len("PRI * HTTP/2.0")
 // serveCheck returns a function that runs the check API's server and returns its shutdown.
 func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
-		srv := newCheckServer(c, e.cfg.Log, e.cfg.ReadTimeout)
+		srv := newCheckServer(e.panics.fast("check", c.serve), e.cfg.Log, e.cfg.ReadTimeout)
 		var shutdown atomic.Bool
 		serve := func() error {
 			err := srv.Serve(ln)
@@ -337,7 +371,12 @@ func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context)
 // drain's deadline.
 func (e *Enforcer) serveRLS(s *rls) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
-		srv := grpc.NewServer()
+		srv := grpc.NewServer(append(e.panics.grpc(),
+			grpc.MaxRecvMsgSize(MaxRLSMessageBytes),
+			grpc.MaxConcurrentStreams(maxStreams),
+			grpc.ConnectionTimeout(e.cfg.ReadTimeout),
+			grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: idleTimeout}),
+		)...)
 		rlsv3.RegisterRateLimitServiceServer(srv, s)
 		health := grpchealth.NewServer()
 		health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)

@@ -87,6 +87,10 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
+	fs.IntVar(&cfg.MaxConns, "max-conns", enforcer.DefaultMaxConns, "Open connections each listener holds; one more is answered 503 and closed.")
+	fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", enforcer.DefaultMaxConnsPerClient, "Open connections each listener holds from one address (behind an ingress, one ingress pod); one more is answered 429 and closed.")
+	fs.DurationVar(&cfg.ReadTimeout, "read-timeout", 10*time.Second, "Time a client has to send a request's header block; past it, 408.")
+	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", enforcer.DefaultWriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
 	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
 	// For tests only, and so not in --help: shift the enforcer's own clock, to show that
 	// decisions on Redis use Redis TIME whatever the pod's clock says.
@@ -105,6 +109,12 @@ func parse(args []string) (enforcer.Config, error) {
 	}
 	if cfg.PolicyFile == "" {
 		return cfg, errors.New("--policy is required")
+	}
+	for name, v := range map[string]int64{"--max-conns": int64(cfg.MaxConns), "--max-conns-per-client": int64(cfg.MaxConnsPerClient),
+		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout)} {
+		if v <= 0 {
+			return cfg, fmt.Errorf("%s must be positive", name)
+		}
 	}
 	if configMap != "" {
 		ns, name, ok := strings.Cut(configMap, "/")

@@ -140,7 +140,7 @@ func testShutdown(t *testing.T, storeFlags []string) {
 	for range 10 {
 		slow, _ := http.NewRequest(http.MethodGet, "http://"+proxy+"/slow", nil)
 		queued, _ := http.NewRequest(http.MethodGet, "http://"+proxy+"/queue", nil)
-		held, _ := http.NewRequest(http.MethodGet, "http://"+check+"/", nil)
+		held, _ := http.NewRequest(http.MethodGet, "http://"+check+"/forward-auth", nil)
 		held.Header.Set("X-Forwarded-Method", "GET")
 		held.Header.Set("X-Forwarded-Uri", "/held")
 		go send("slow upstream", slow)

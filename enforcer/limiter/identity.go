@@ -45,6 +45,18 @@ func contains(prefixes []netip.Prefix, a netip.Addr) bool {
 	return false
 }
 
+// RepeatedKeyHeader is the name of a header among a rule's key sources that a request sends more
+// than once, or "". Such a request has no one identity: the key would be the join of the values
+// while the upstream reads the first, so a client could pose as new with every extra line.
+func RepeatedKeyHeader(keys []policy.KeySource, header policy.Header) string {
+	for _, k := range keys {
+		if k.Type == v1alpha1.KeyHeader && len(header.Values(k.Header)) > 1 {
+			return k.Header
+		}
+	}
+	return ""
+}
+
 // ClientKey is the identity of a request's client under a rule: its key sources, each
 // length-prefixed so that no value can imitate another. A rule without key sources has one
 // bucket for all requests it matches.
@@ -73,7 +85,7 @@ func ClientKey(keys []policy.KeySource, method, path string, header policy.Heade
 			part('p', path)
 		case v1alpha1.KeyHeader:
 			if values := header.Values(k.Header); len(values) > 0 {
-				part('h', strings.Join(values, ","))
+				part('h', values[0]) // one value: RepeatedKeyHeader refuses more
 			} else {
 				part('!', addr.String())
 			}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"net/netip"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,7 +32,14 @@ const (
 	Limited
 	// Unavailable: the store cannot answer and a fail-closed rule matched; refuse with 503.
 	Unavailable
+	// Invalid: the request cannot be decided as sent (Result.Reason says why); refuse with 400.
+	// Nothing was charged.
+	Invalid
 )
+
+// MaxChecks bounds the rules one decision charges, so that no call is one unbounded store
+// script: a request (or Envoy descriptors) matching more is Invalid.
+const MaxChecks = 64
 
 // Request is what a decision needs from an HTTP request.
 type Request struct {
@@ -88,6 +96,8 @@ type Result struct {
 	Policy string
 	// Decision is Rule's decision.
 	Decision algorithm.Decision
+	// Reason says why an Invalid request cannot be decided.
+	Reason string
 }
 
 // Limiter decides requests. It is safe for concurrent use; SetPolicies swaps the rules without
@@ -189,7 +199,10 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 		*bufs = decideBufs{} // no strings or rules kept alive by the pool
 		bufPool.Put(bufs)
 	}()
-	checks, rules, idemKey := l.collect(req, bufs.checks[:0], bufs.rules[:0])
+	checks, rules, idemKey, invalid := l.collect(req, bufs.checks[:0], bufs.rules[:0])
+	if invalid != "" {
+		return Result{Outcome: Invalid, Reason: invalid}
+	}
 	if len(checks) == 0 {
 		return Result{Outcome: Allowed}
 	}
@@ -219,9 +232,10 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 }
 
 // collect appends the checks and rules of the rules that match a request, and returns the first
-// idempotency key the request sends to a policy that asks for one.
-func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) ([]store.Check, []matched, string) {
-	var idemKey string
+// idempotency key the request sends to a policy that asks for one. A request that repeats a
+// header a matching rule keys on, or its policy's idempotency header, cannot be decided: the
+// upstream reads one of the values, and which one is not ours to guess. invalid says why.
+func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (_ []store.Check, _ []matched, idemKey, invalid string) {
 	hits := max(1, req.Hits)
 	for _, p := range *l.policies.Load() {
 		if req.Policy != "" && p.ID != req.Policy {
@@ -230,7 +244,11 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 		var addr netip.Addr
 		var idem *store.Idempotency
 		if p.Idempotency != nil {
-			if v := req.Header.Values(p.Idempotency.Header); len(v) > 0 && v[0] != "" {
+			v := req.Header.Values(p.Idempotency.Header)
+			if len(v) > 1 {
+				return checks, rules, "", repeated(p.Idempotency.Header, "")
+			}
+			if len(v) > 0 && v[0] != "" {
 				if idemKey == "" {
 					idemKey = v[0]
 				}
@@ -243,17 +261,32 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			if !r.Match.Matches(req.Method, req.Path, req.Header) || req.KeysRequired && !req.carries(r) {
 				continue
 			}
+			if name := RepeatedKeyHeader(r.Key, req.Header); name != "" {
+				return checks, rules, "", repeated(name, r.Name)
+			}
 			if !addr.IsValid() {
 				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
 			}
 			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
 			}
+			if len(checks) == MaxChecks {
+				return checks, rules, "", "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
+			}
 			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost * hits, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
 			rules = append(rules, matched{r, p.ID})
 		}
 	}
-	return checks, rules, idemKey
+	return checks, rules, idemKey, ""
+}
+
+// repeated says that a header was sent more than once, and which rule keys on it ("" for the
+// idempotency header).
+func repeated(header, rule string) string {
+	if rule == "" {
+		return "header " + header + " is sent more than once; the idempotency key must be one value"
+	}
+	return "header " + header + " is sent more than once; rule " + strconv.Quote(rule) + " keys clients on it and needs one value"
 }
 
 // DecideAll decides several requests as one: every rule that matches any of them is checked, and
@@ -265,12 +298,19 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 	var rules []matched
 	bounds := make([]int, len(reqs)+1)
 	idem := false
+	per := make([]Result, len(reqs))
 	for i := range reqs {
-		var key string
-		checks, rules, key = l.collect(&reqs[i], checks, rules)
+		var key, invalid string
+		checks, rules, key, invalid = l.collect(&reqs[i], checks, rules)
+		if invalid != "" {
+			res := Result{Outcome: Invalid, Reason: invalid}
+			for j := range per {
+				per[j] = res
+			}
+			return per, res
+		}
 		bounds[i+1], idem = len(checks), idem || key != ""
 	}
-	per := make([]Result, len(reqs))
 	if len(checks) == 0 {
 		for i := range per {
 			per[i] = Result{Outcome: Allowed}

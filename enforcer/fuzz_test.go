@@ -1,0 +1,426 @@
+package enforcer
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"net/url"
+	"os"
+	"path"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fasthttp/fasthttputil"
+	"golang.org/x/net/http/httpguts"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/store"
+)
+
+// Generated hostile input against every front end, served in memory by the real servers. The
+// invariants: nothing panics (a recovered panic is counted, and the count must stay 0: the
+// recovery would hide what the fuzzer finds), every answer is one the front end documents, and
+// no request reaches the upstream past a limit, whatever its path looks like.
+
+// fuzzPolicy limits /admin, as the upstream resolves paths, to one request for the whole run,
+// and keys a second rule on X-Api-Key.
+const fuzzPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: fuzz, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  rules:
+    - name: admin
+      match: {path: {type: Prefix, value: /admin}}
+      fixedWindow: {limit: 1, window: 24h}
+    - name: per-key
+      key: [{type: Header, name: X-Api-Key}]
+      tokenBucket: {capacity: 1000000, refill: {tokens: 1, period: 1s}}
+`
+
+// fuzzBed is the proxy and the check API on in-memory listeners, in front of an upstream that
+// counts the requests it reads as /admin.
+type fuzzBed struct {
+	proxy, check *fasthttputil.InmemoryListener
+	panics       *panics
+	admin        atomic.Int64
+	limiter      *limiter.Limiter
+}
+
+var (
+	bedOnce sync.Once
+	bed     *fuzzBed
+)
+
+func fuzzServers(t testing.TB) *fuzzBed {
+	bedOnce.Do(func() {
+		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
+		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			// As the upstream resolves the path: decoded by net/http, cleaned as a router does.
+			if strings.HasPrefix(path.Clean("/"+r.URL.Path), "/admin") {
+				b.admin.Add(1)
+			}
+			_, _ = io.Copy(io.Discard, r.Body)
+		}))
+		policies, err := Load([]byte(fuzzPolicy))
+		if err != nil {
+			panic(err)
+		}
+		b.limiter = limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
+		b.limiter.SetPolicies(policies)
+		u, _ := url.Parse(up.URL)
+		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, Log: logr.Discard()},
+			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
+		fast := newFastProxy(b.limiter, u, logr.Discard())
+		fast.panics = e.panics
+		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport)))(b.proxy)
+		e.serveCheck(&check{limiter: b.limiter})(b.check)
+		b.panics = e.panics
+		bed = b
+	})
+	return bed
+}
+
+// exchange writes raw bytes to a listener and reads what comes back until the server closes
+// the connection or stays silent.
+func exchange(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) []byte {
+	c, err := ln.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	_ = c.SetDeadline(time.Now().Add(200 * time.Millisecond))
+	go func() { _, _ = c.Write(data) }()
+	out, _ := io.ReadAll(c)
+	return out
+}
+
+// holds asserts the invariants after an input.
+func (b *fuzzBed) holds(t *testing.T, server string) {
+	t.Helper()
+	if n := testutil.ToFloat64(b.panics.count.WithLabelValues(server)); n != 0 {
+		t.Fatalf("%s panicked (%v recovered): the input is a crash", server, n)
+	}
+	if n := b.admin.Load(); n > 1 {
+		t.Fatalf("the upstream read %d requests as /admin: a limit of 1 was passed", n)
+	}
+}
+
+var rawSeeds = []string{
+	"GET /admin HTTP/1.1\r\nHost: x\r\n\r\n",
+	"GET //admin HTTP/1.1\r\nHost: x\r\n\r\n",
+	"GET /public/../admin HTTP/1.1\r\nHost: x\r\n\r\n",
+	"GET /%61dmin HTTP/1.1\r\nHost: x\r\n\r\n",
+	"GET http://x/admin HTTP/1.1\r\nHost: y\r\n\r\n",
+	"GET /admin HTTP/1.0\r\n\r\n",
+	"GET / HTTP/1.1\r\nHost: " + strings.Repeat("h", 300) + "\r\n\r\n",
+	"GET / HTTP/1.1\r\nHost: x\r\nX-Api-Key: a\r\nX-Api-Key: b\r\n\r\n",
+	"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n",
+	"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+	"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /admin HTTP/1.1\r\nHost: x\r\n\r\nGET /admin HTTP/1.1\r\nHost: x\r\n\r\n",
+	"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+}
+
+// FuzzProxyHTTP1 sends raw bytes, HTTP/1.0 and 1.1 requests and whatever else, to the proxy.
+func FuzzProxyHTTP1(f *testing.F) {
+	for _, s := range rawSeeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		b := fuzzServers(t)
+		exchange(t, b.proxy, data)
+		b.holds(t, "proxy")
+	})
+}
+
+// FuzzProxyH2C sends one cleartext HTTP/2 request, pseudo-header fields as generated, to the
+// proxy, and resets the stream at once when reset is set.
+func FuzzProxyH2C(f *testing.F) {
+	f.Add("GET", "/admin", "x-api-key", "a", false)
+	f.Add("GET", "//admin", "x-api-key", "a", false)
+	f.Add("GET", "/public/../admin", "", "", true)
+	f.Add("get", "/%61dmin?x=1", "x-api-key", "b", false)
+	f.Add("CONNECT", "", "", "", false)
+	f.Add("GET", "*", "upgrade", "h2c", false)
+	f.Fuzz(func(t *testing.T, method, target, name, value string, reset bool) {
+		b := fuzzServers(t)
+		var frames bytes.Buffer
+		frames.WriteString(http2.ClientPreface)
+		fr := http2.NewFramer(&frames, nil)
+		_ = fr.WriteSettings()
+		var block bytes.Buffer
+		enc := hpack.NewEncoder(&block)
+		fields := [][2]string{{":method", method}, {":scheme", "http"}, {":authority", "x"}, {":path", target}}
+		if name != "" {
+			fields = append(fields, [2]string{strings.ToLower(name), value})
+		}
+		for _, hf := range fields {
+			_ = enc.WriteField(hpack.HeaderField{Name: hf[0], Value: hf[1]})
+		}
+		_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block.Bytes(), EndStream: true, EndHeaders: true})
+		if reset {
+			_ = fr.WriteRSTStream(1, http2.ErrCodeCancel)
+		}
+		exchange(t, b.proxy, frames.Bytes())
+		b.holds(t, "proxy")
+	})
+}
+
+// checkStatuses are the answers the check API documents.
+var checkStatuses = map[int]bool{200: true, 400: true, 401: true, 403: true, 404: true, 408: true, 413: true, 414: true, 429: true, 431: true, 503: true}
+
+// FuzzCheckAPI sends raw bytes to the check API.
+func FuzzCheckAPI(f *testing.F) {
+	for _, s := range []string{
+		"GET /auth-request HTTP/1.1\r\nHost: c\r\nX-Original-Method: GET\r\nX-Original-Url: http://x:port/admin\r\n\r\n",
+		"GET /forward-auth HTTP/1.1\r\nHost: c\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: //admin\r\nX-Original-Url: /public\r\n\r\n",
+		"GET /forward-auth HTTP/1.1\r\nHost: c\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: /a\r\nX-Forwarded-Uri: /b\r\n\r\n",
+		"GET / HTTP/1.1\r\nHost: c\r\n\r\n",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		b := fuzzServers(t)
+		out := exchange(t, b.check, data)
+		b.holds(t, "check")
+		br := bufio.NewReader(bytes.NewReader(out))
+		for {
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			if !checkStatuses[resp.StatusCode] {
+				t.Fatalf("the check API answered %d", resp.StatusCode)
+			}
+		}
+	})
+}
+
+// FuzzRLS sends RateLimitRequest messages as Envoy would encode them: every call is answered or
+// refused with a documented code, never a panic.
+func FuzzRLS(f *testing.F) {
+	add := func(req *rlsv3.RateLimitRequest) {
+		data, _ := proto.Marshal(req)
+		f.Add(data)
+	}
+	entry := func(kv ...string) *rlv3.RateLimitDescriptor {
+		d := &rlv3.RateLimitDescriptor{}
+		for i := 0; i+1 < len(kv); i += 2 {
+			d.Entries = append(d.Entries, &rlv3.RateLimitDescriptor_Entry{Key: kv[i], Value: kv[i+1]})
+		}
+		return d
+	}
+	add(&rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{entry("path", "/admin", "method", "GET")}})
+	add(&rlsv3.RateLimitRequest{Domain: "test/fuzz", HitsAddend: 1000, Descriptors: []*rlv3.RateLimitDescriptor{entry("x-api-key", "k")}})
+	add(&rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{entry("remote_address", "not-an-ip")}})
+	add(&rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{entry("x-api-key", "a", "x-api-key", "b")}})
+	add(&rlsv3.RateLimitRequest{Domain: "nope"})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		b := fuzzServers(t)
+		var req rlsv3.RateLimitRequest
+		if proto.Unmarshal(data, &req) != nil || proto.Size(&req) > MaxRLSMessageBytes {
+			return // gRPC refuses what does not decode, or is over the message bound
+		}
+		s := &rls{limiter: b.limiter}
+		var resp *rlsv3.RateLimitResponse
+		var err error
+		func() {
+			defer func() {
+				if v := recover(); v != nil {
+					t.Fatalf("ShouldRateLimit panicked: %v", v)
+				}
+			}()
+			resp, err = s.ShouldRateLimit(context.Background(), &req)
+		}()
+		switch status.Code(err) {
+		case codes.OK:
+			if len(resp.GetStatuses()) != len(req.GetDescriptors()) {
+				t.Fatalf("%d statuses for %d descriptors", len(resp.GetStatuses()), len(req.GetDescriptors()))
+			}
+		case codes.InvalidArgument, codes.ResourceExhausted, codes.Unavailable:
+		default:
+			t.Fatalf("ShouldRateLimit: %v", err)
+		}
+	})
+}
+
+// FuzzLoad sends policy files to the loader: it never panics, and what it accepts compiles and
+// decides.
+func FuzzLoad(f *testing.F) {
+	f.Add([]byte(fuzzPolicy))
+	samples, _ := filepath.Glob(filepath.Join("..", "config", "samples", "*.yaml"))
+	for _, s := range samples {
+		data, err := os.ReadFile(s)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		policies, err := Load(data)
+		if err != nil {
+			if err.Error() == "" {
+				t.Fatal("refused without a message")
+			}
+			return
+		}
+		l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
+		l.SetPolicies(policies)
+		h := http.Header{"X-Api-Key": {"k"}}
+		for _, p := range []string{"/", "/admin", "/a/b?c"} {
+			res := l.Decide(context.Background(), &limiter.Request{Method: "GET", Path: p, Header: h, Peer: netip.MustParseAddr("192.0.2.1")})
+			if res.Outcome == limiter.Unavailable {
+				t.Fatalf("the memory store failed deciding %s: %+v", p, res)
+			}
+		}
+	})
+}
+
+// FuzzFrontEndsAgree sends the same request through every front end, each with a limiter of its
+// own, twice: every front end reaches the same decisions.
+func FuzzFrontEndsAgree(f *testing.F) {
+	f.Add("GET", "/admin", "k")
+	f.Add("get", "//admin/../admin/x", "k")
+	f.Add("POST", "/%61dmin?q", "k")
+	f.Add("GET", "/"+strings.Repeat("a", MaxTargetBytes), "k")
+	f.Add("GET", "/a", "k")
+	f.Fuzz(func(t *testing.T, method, target, key string) {
+		if !validToken(method) || !validTarget(target) || key == "" || !httpguts.ValidHeaderFieldValue(key) || strings.TrimSpace(key) != key {
+			return // not one request every protocol can carry
+		}
+		var got [][]int
+		for _, front := range frontEnds(t) {
+			got = append(got, []int{front(method, target, key), front(method, target, key)})
+		}
+		for i := 1; i < len(got); i++ {
+			if got[i][0] != got[0][0] || got[i][1] != got[0][1] {
+				t.Fatalf("%s %q key %q: front ends decide %v (HTTP/1.1 proxy, h2c proxy, check API, RLS)", method, target, key, got)
+			}
+		}
+	})
+}
+
+func validToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := range len(s) {
+		if !httpguts.IsTokenRune(rune(s[i])) {
+			return false
+		}
+	}
+	return true
+}
+
+// validTarget is an origin-form request target: a path, without bytes no HTTP version carries.
+func validTarget(s string) bool {
+	if !strings.HasPrefix(s, "/") {
+		return false
+	}
+	for i := range len(s) {
+		if c := s[i]; c <= ' ' || c >= 0x7f || c == '#' {
+			return false
+		}
+	}
+	return true
+}
+
+// frontEnds returns one function per front end that decides a request through it, on a limiter
+// of its own, and says 200, 429 or 400 (414 is 400: RLS has one code for both).
+func frontEnds(t *testing.T) []func(method, target, key string) int {
+	b := fuzzServers(t) // for its upstream and for the policies
+	fresh := func() *limiter.Limiter {
+		l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
+		l.SetPolicies(b.limiter.Policies())
+		return l
+	}
+	class := func(s int) int {
+		if s == http.StatusRequestURITooLong {
+			return http.StatusBadRequest
+		}
+		return s
+	}
+	peer := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 1), Port: 1234}
+	fastDecide := func(h fasthttp.RequestHandler, uri string, setHeaders func(*fasthttp.RequestHeader)) int {
+		var ctx fasthttp.RequestCtx
+		var req fasthttp.Request
+		req.Header.SetRequestURI(uri)
+		setHeaders(&req.Header)
+		ctx.Init(&req, peer, nil)
+		h(&ctx)
+		return class(ctx.Response.StatusCode())
+	}
+	h1 := fresh()
+	h2 := fresh()
+	chk := fresh()
+	rl := fresh()
+	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
+	fastP := newFastProxy(h1, upstream, logr.Discard())
+	netP := newProxy(h2, upstream, http.DefaultTransport)
+	c := &check{limiter: chk}
+	r := &rls{limiter: rl}
+	passed := func(s int) int {
+		if s == http.StatusBadGateway {
+			return http.StatusOK
+		}
+		return s
+	}
+	return []func(method, target, key string) int{
+		func(method, target, key string) int {
+			return passed(fastDecide(fastP.serve, target, func(h *fasthttp.RequestHeader) {
+				h.SetMethod(method)
+				h.Set("X-Api-Key", key)
+			}))
+		},
+		func(method, target, key string) int {
+			req := httptest.NewRequest(http.MethodGet, "/", nil)
+			req.Method, req.RequestURI, req.RemoteAddr = method, target, peer.String()
+			req.Header.Set("X-Api-Key", key)
+			w := httptest.NewRecorder()
+			netP.ServeHTTP(w, req)
+			return passed(class(w.Code))
+		},
+		func(method, target, key string) int {
+			return fastDecide(c.serve, ForwardAuthPath, func(h *fasthttp.RequestHeader) {
+				h.Set("X-Forwarded-Method", method)
+				h.Set("X-Forwarded-Uri", target)
+				h.Set("X-Api-Key", key)
+			})
+		},
+		func(method, target, key string) int {
+			resp, err := r.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{{
+				Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "method", Value: method}, {Key: "path", Value: target}, {Key: "x-api-key", Value: key},
+					{Key: "remote_address", Value: "192.0.2.1"}}}}})
+			switch {
+			case status.Code(err) == codes.InvalidArgument:
+				return http.StatusBadRequest
+			case err != nil:
+				t.Fatalf("RLS: %v", err)
+			case resp.GetOverallCode() == rlsv3.RateLimitResponse_OVER_LIMIT:
+				return http.StatusTooManyRequests
+			}
+			return http.StatusOK
+		},
+	}
+}

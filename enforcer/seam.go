@@ -1,0 +1,162 @@
+package enforcer
+
+import (
+	"context"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/policy"
+)
+
+// The decision seam. Every front end (the HTTP/1.1 proxy, the h2c proxy, the check API and
+// Envoy's rate limit service) turns its request into an input, calls decide, and maps the one
+// verdict to its protocol. What the seam fixes for all of them, so that none can drift:
+//
+//   - the context: detached from the client and bounded by the store's own deadline. A client
+//     that leaves while its decision is in flight neither fails the store (which would open the
+//     breaker for everyone) nor skips the charge;
+//   - the path: the request target decoded, dot segments resolved and repeated slashes merged,
+//     as fasthttp reads it; the query dropped; a target over MaxTargetBytes is 414, one that is
+//     not a path or an absolute URI 400;
+//   - the method, upper-cased: a rule for GET also decides "get";
+//   - the identity: the limiter's ClientAddr and ClientKey, where a repeated key header is 400;
+//   - the verdict's status and fields (verdict.write), and the hold of a queued request (hold).
+//
+// A front end keeps only what its protocol needs: where the method and target come from, the
+// nginx endpoint's statuses, the gRPC codes. docs/enforcer.md lists what still differs.
+
+// MaxTargetBytes bounds a request target (path and query): a longer one is answered 414 by every
+// front end before anything is decided.
+const MaxTargetBytes = 8 << 10
+
+// input is what a front end makes of its request.
+type input struct {
+	// method and target are as received: the target is the path and query, or an absolute URI.
+	method, target string
+	header         policy.Header
+	peer           netip.Addr
+}
+
+// verdict is the seam's answer.
+type verdict struct {
+	limiter.Result
+	// status is the HTTP status that answers it: 200 (allowed, after Result.Wait), 429 (limited),
+	// 503 (a fail-closed rule's store unavailable), or 400 and 414 for input that cannot be
+	// decided, with detail saying why.
+	status int
+	detail string
+}
+
+// invalid is the verdict on input the seam refuses to decide.
+func invalid(status int, detail string) verdict {
+	return verdict{Result: limiter.Result{Outcome: limiter.Invalid}, status: status, detail: detail}
+}
+
+// request turns an input into the limiter's request, or says why it cannot be decided.
+func (in *input) request() (limiter.Request, *verdict) {
+	path, bad := requestPath(in.target)
+	if bad != nil {
+		return limiter.Request{}, bad
+	}
+	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer}, nil
+}
+
+// decide decides one HTTP request.
+func decide(l *limiter.Limiter, in *input) verdict {
+	req, bad := in.request()
+	if bad != nil {
+		return *bad
+	}
+	return judge(l.Decide(context.Background(), &req))
+}
+
+// judge gives a limiter's result its HTTP status.
+func judge(res limiter.Result) verdict {
+	v := verdict{Result: res, status: http.StatusOK}
+	switch res.Outcome {
+	case limiter.Limited:
+		v.status = http.StatusTooManyRequests
+	case limiter.Unavailable:
+		v.status = http.StatusServiceUnavailable
+	case limiter.Invalid:
+		v.status, v.detail = http.StatusBadRequest, res.Reason
+	}
+	return v
+}
+
+// requestPath is the path a request target decides on: decoded, with dot segments resolved and
+// repeated slashes merged, without the query. An absolute URI (the absolute form of a request
+// target, or nginx's $scheme://$http_host$request_uri) decides on its path, whatever its
+// authority holds: the upstream reads the path, and a Host that does not parse must not make
+// the path unreadable.
+func requestPath(target string) (string, *verdict) {
+	if len(target) > MaxTargetBytes {
+		v := invalid(http.StatusRequestURITooLong, "request target over "+strconv.Itoa(MaxTargetBytes)+" bytes")
+		return "", &v
+	}
+	if !strings.HasPrefix(target, "/") {
+		scheme, rest, ok := strings.Cut(target, "://")
+		if !ok || scheme == "" || strings.ContainsAny(scheme, "/?#") {
+			v := invalid(http.StatusBadRequest, "request target "+strconv.Quote(abbreviate(target))+" is neither a path nor an absolute URI")
+			return "", &v
+		}
+		i := strings.IndexAny(rest, "/?#")
+		if i < 0 {
+			return "/", nil
+		}
+		target = rest[i:]
+	}
+	u := fasthttp.AcquireURI()
+	defer fasthttp.ReleaseURI(u)
+	// A host of our own: without one, "//admin" would be parsed as an authority, not a path.
+	if err := u.Parse([]byte("sluice"), []byte(target)); err != nil {
+		v := invalid(http.StatusBadRequest, "request target "+strconv.Quote(abbreviate(target))+" does not parse: "+err.Error())
+		return "", &v
+	}
+	return string(u.Path()), nil
+}
+
+// abbreviate shortens what a message quotes from a client.
+func abbreviate(s string) string {
+	if len(s) > 64 {
+		return s[:64] + "..."
+	}
+	return s
+}
+
+// write answers a verdict through a response's header setter: the RateLimit fields of the rule
+// it describes and, for anything but 200, Retry-After (429 and 503) and an RFC 9457 problem,
+// whose body it returns.
+func (v *verdict) write(set func(name, value string)) []byte {
+	setRateLimitHeaders(set, &v.Result)
+	switch v.status {
+	case http.StatusOK:
+		return nil
+	case http.StatusTooManyRequests, http.StatusServiceUnavailable:
+		_, body := refusal(set, &v.Result)
+		return body
+	}
+	return malformed(set, v.status, v.detail)
+}
+
+// hold keeps an allowed request for its wait, as a leaky bucket's queue does, and reports false
+// as soon as gone closes: the client left, nobody reads the answer, and the request is released.
+func hold(wait time.Duration, gone <-chan struct{}) bool {
+	if wait <= 0 {
+		return true
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-gone:
+		return false
+	}
+}
