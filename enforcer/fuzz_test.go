@@ -93,7 +93,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
 		fast := newFastProxy(b.limiter, u, logr.Discard())
 		fast.panics = e.panics
-		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport)))(b.proxy)
+		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second)))(b.proxy)
 		e.serveCheck(&check{limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
@@ -377,7 +377,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	rl := fresh()
 	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
 	fastP := newFastProxy(h1, upstream, logr.Discard())
-	netP := newProxy(h2, upstream, http.DefaultTransport)
+	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second)
 	c := &check{limiter: chk}
 	r := &rls{limiter: rl}
 	passed := func(s int) int {

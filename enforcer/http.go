@@ -1,6 +1,7 @@
 package enforcer
 
 import (
+	"context"
 	"encoding/json"
 	"net"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"net/url"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/policy"
@@ -81,9 +83,13 @@ func peerAddr(r *http.Request) netip.Addr {
 type proxy struct {
 	limiter *limiter.Limiter
 	rp      *httputil.ReverseProxy
+	// writeTimeout cuts the connection of a client whose response write makes no progress for
+	// that long. HTTP/2 needs it here: a client that grants no flow-control window stalls its
+	// stream without ever stalling the socket, where the listener's write deadline watches.
+	writeTimeout time.Duration
 }
 
-func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper) *proxy {
+func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper, writeTimeout time.Duration) *proxy {
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(upstream)
@@ -103,8 +109,31 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 			w.WriteHeader(http.StatusBadGateway)
 		},
 	}
-	return &proxy{limiter: l, rp: rp}
+	return &proxy{limiter: l, rp: rp, writeTimeout: writeTimeout}
 }
+
+// connKey holds a request's connection in its context (http.Server.ConnContext).
+type connKey struct{}
+
+func withConn(ctx context.Context, c net.Conn) context.Context {
+	return context.WithValue(ctx, connKey{}, c)
+}
+
+// progressWriter closes the connection under a response whose Write blocks past a timeout.
+type progressWriter struct {
+	http.ResponseWriter
+	conn    net.Conn
+	timeout time.Duration
+}
+
+func (w *progressWriter) Write(p []byte) (int, error) {
+	t := time.AfterFunc(w.timeout, func() { _ = w.conn.Close() })
+	defer t.Stop()
+	return w.ResponseWriter.Write(p)
+}
+
+// Unwrap lets http.ResponseController reach the server's writer, to flush.
+func (w *progressWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // bufferPool recycles ReverseProxy's copy buffers.
 type bufferPool struct{ p sync.Pool }
@@ -133,6 +162,9 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if !hold(v.Wait, r.Context().Done()) {
 		return
+	}
+	if c, ok := r.Context().Value(connKey{}).(net.Conn); ok && p.writeTimeout > 0 {
+		w = &progressWriter{ResponseWriter: w, conn: c, timeout: p.writeTimeout}
 	}
 	p.rp.ServeHTTP(w, r)
 }

@@ -90,7 +90,9 @@ func (p *panics) http(server string, h http.Handler) http.Handler {
 					panic(v)
 				}
 				p.recovered(server, v)
-				w.Header().Set("Connection", "close")
+				if r.ProtoMajor == 1 {
+					w.Header().Set("Connection", "close")
+				}
 				w.WriteHeader(http.StatusInternalServerError)
 			}
 		}()

@@ -212,7 +212,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if cfg.Upstream != nil {
 		fast := newFastProxy(e.limiter, cfg.Upstream, cfg.Log)
 		fast.panics = e.panics
-		serveProxy = e.serveProxy(fast, e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, transport)))
+		serveProxy = e.serveProxy(fast, e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, transport, cfg.WriteTimeout)))
 	}
 	servers := []struct {
 		name   string
@@ -293,6 +293,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 			MaxHeaderBytes:    maxHeaderBytes,
 			Protocols:         &protocols,
 			HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: maxStreams},
+			ConnContext:       withConn,
 		}
 		return e.run(func() error {
 			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {

@@ -1,0 +1,196 @@
+package enforcer_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/sluice-dev/sluice/enforcer"
+)
+
+// A panic in any request path is answered 500 (gRPC INTERNAL), counted, and the server serves the
+// next request: one request cannot stop the enforcer.
+func TestEnforcerWhenARequestPanicsThenItIs500AndEveryServerServesOn(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("panics", `    - name: any
+      fixedWindow: {limit: 1000, window: 1h}
+`), up, nil, withRLS)
+	c, _ := rlsClient(t, e)
+	forward := []string{"X-Forwarded-Method", "GET", "X-Forwarded-Uri", "/"}
+	for _, server := range []string{"proxy", "check", "admin", "rls"} {
+		undo := enforcer.InjectPanic(server)
+		switch server {
+		case "proxy":
+			if s := get(t, e.proxy+"/").StatusCode; s != http.StatusInternalServerError {
+				t.Errorf("proxy over HTTP/1.1: %d, want 500", s)
+			}
+			if s := h2cStatus(t, e.ProxyAddr, "GET", "/"); s != http.StatusInternalServerError {
+				t.Errorf("proxy over h2c: %d, want 500", s)
+			}
+		case "check":
+			if s := get(t, e.check+enforcer.ForwardAuthPath, forward...).StatusCode; s != http.StatusInternalServerError {
+				t.Errorf("check API: %d, want 500", s)
+			}
+		case "admin":
+			if s := get(t, e.admin+"/readyz").StatusCode; s != http.StatusInternalServerError {
+				t.Errorf("admin: %d, want 500", s)
+			}
+		case "rls":
+			_, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/panics", Descriptors: nil})
+			if status.Code(err) != codes.Internal {
+				t.Errorf("RLS: %v, want INTERNAL", err)
+			}
+		}
+		undo()
+	}
+	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusOK {
+		t.Errorf("proxy after the panics: %d", s)
+	}
+	if s := get(t, e.check+enforcer.ForwardAuthPath, forward...).StatusCode; s != http.StatusOK {
+		t.Errorf("check API after the panics: %d", s)
+	}
+	if _, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/panics"}); err != nil {
+		t.Errorf("RLS after the panics: %v", err)
+	}
+	for server, want := range map[string]float64{"proxy": 2, "check": 1, "admin": 1, "rls": 1} {
+		if n := metric(t, e.admin, fmt.Sprintf(`sluice_panics_total{server=%q}`, server)); n != want {
+			t.Errorf("sluice_panics_total{server=%q} = %v, want %v", server, n, want)
+		}
+	}
+}
+
+// A repeated key header is refused with 400 by every front end and charges nothing: the upstream
+// reads one of the values, so the join of them must not be a fresh identity.
+func TestProxyWhenAKeyHeaderIsRepeatedThen400AndNothingIsCharged(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("repeat", `    - name: per-key
+      key: [{type: Header, name: X-Api-Key}]
+      fixedWindow: {limit: 1, window: 1h}
+`), up, nil, withRLS)
+	twice := "GET / HTTP/1.1\r\nHost: x\r\nX-Api-Key: alice\r\nX-Api-Key: new-%d\r\nConnection: close\r\n\r\n"
+	if s := rawStatus(t, e.ProxyAddr, fmt.Sprintf(twice, 1)); s != http.StatusBadRequest {
+		t.Errorf("proxy: %d, want 400", s)
+	}
+	if s := h2cStatus(t, e.ProxyAddr, "GET", "/", "x-api-key", "alice", "x-api-key", "new-2"); s != http.StatusBadRequest {
+		t.Errorf("proxy over h2c: %d, want 400", s)
+	}
+	chk := "GET /forward-auth HTTP/1.1\r\nHost: c\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: /\r\nX-Api-Key: alice\r\nX-Api-Key: new\r\nConnection: close\r\n\r\n"
+	if s := rawStatus(t, e.CheckAddr, chk); s != http.StatusBadRequest {
+		t.Errorf("check API: %d, want 400", s)
+	}
+	c, _ := rlsClient(t, e)
+	if _, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/repeat",
+		Descriptors: []*rlv3.RateLimitDescriptor{descriptor("x-api-key", "alice", "x-api-key", "new")}}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("RLS: %v, want INVALID_ARGUMENT", err)
+	}
+	// alice's one request is still hers: nothing above was charged.
+	for i, want := range []int{200, 429} {
+		if s := get(t, e.proxy+"/", "X-Api-Key", "alice").StatusCode; s != want {
+			t.Errorf("alice's request %d: %d, want %d", i, s, want)
+		}
+	}
+	if up.hits.Load() != 1 {
+		t.Errorf("the upstream saw %d requests, want 1", up.hits.Load())
+	}
+}
+
+// Connections over a listener's bounds are answered as they are accepted (429 for one address's
+// bound, 503 for the total) and closed, while other clients are served; a client that stops
+// reading its response is cut once its writes make no progress for the write timeout.
+func TestEnforcerWhenConnectionsPassTheirBoundsThenTheExtraOnesAreRefused(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("conns", `    - name: any
+      fixedWindow: {limit: 100000, window: 1h}
+`), up, nil, func(c *enforcer.Config) { c.MaxConnsPerClient, c.MaxConns = 3, 5 })
+	dial := func(local string) net.Conn {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+		c, err := d.Dial("tcp", e.ProxyAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+	served := func(c net.Conn) int {
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		_, _ = io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		return readStatus(c)
+	}
+	for i := range 3 {
+		if s := served(dial("127.0.0.1")); s != http.StatusOK {
+			t.Fatalf("connection %d of 127.0.0.1: %d", i, s)
+		}
+	}
+	if s := served(dial("127.0.0.1")); s != http.StatusTooManyRequests {
+		t.Errorf("the fourth connection of 127.0.0.1: %d, want 429", s)
+	}
+	for i := range 2 {
+		if s := served(dial("127.0.0.2")); s != http.StatusOK {
+			t.Errorf("connection %d of 127.0.0.2 while 127.0.0.1 is at its bound: %d, want 200", i, s)
+		}
+	}
+	if s := served(dial("127.0.0.3")); s != http.StatusServiceUnavailable {
+		t.Errorf("the sixth connection in all: %d, want 503", s)
+	}
+	if n := metric(t, e.admin, `sluice_connections_refused_total{reason="client",server="proxy"}`); n != 1 {
+		t.Errorf("refused for the client bound: %v, want 1", n)
+	}
+}
+
+func TestProxyWhenAClientStopsReadingThenItsConnectionIsCutAfterTheWriteTimeout(t *testing.T) {
+	chunk := []byte(strings.Repeat("x", 64<<10))
+	big := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for range 4096 { // 256 MiB, far past every socket buffer
+			if _, err := w.Write(chunk); err != nil {
+				return
+			}
+		}
+	}))}
+	t.Cleanup(big.Close)
+	e := start(t, policyDoc("slow-reader", `    - name: any
+      fixedWindow: {limit: 100000, window: 1h}
+`), big, nil, func(c *enforcer.Config) { c.WriteTimeout = time.Second })
+	for _, proto := range []string{"HTTP/1.1", "h2c"} {
+		c, err := net.Dial("tcp", e.ProxyAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tc, ok := c.(*net.TCPConn); ok {
+			_ = tc.SetReadBuffer(4 << 10)
+		}
+		if proto == "h2c" {
+			_ = c.Close()
+			h := dialH2C(t, e.ProxyAddr)
+			h.send("GET", "/big")
+		} else {
+			defer func() { _ = c.Close() }()
+			_, _ = io.WriteString(c, "GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+		}
+		// Read nothing.
+		waitUntil(t, proto+": the proxy cuts the connection of the client that does not read", func() bool {
+			return metric(t, e.admin, `sluice_connections_open{server="proxy"}`) == 0
+		})
+	}
+}
+
+// readStatus reads one response from a connection: its status, or -1.
+func readStatus(c net.Conn) int {
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		return -1
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
