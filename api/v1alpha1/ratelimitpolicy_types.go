@@ -628,6 +628,20 @@ type EnforcerSpec struct {
 	// resources are the enforcer container's compute resources.
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// rateLimitService serves Envoy's rate limit service (gRPC, envoy.service.ratelimit.v3) on
+	// the enforcer Service's port grpc-rls (8082), for Envoy-based gateways and meshes. Absent,
+	// the port is not served. A caller of the service names the client of every request it asks
+	// about, so whoever can reach the port can spend any client's limits: let only the gateway in.
+	// +optional
+	RateLimitService *RateLimitService `json:"rateLimitService,omitempty"`
+}
+
+// RateLimitService configures the enforcer's Envoy rate limit service.
+type RateLimitService struct {
+	// enabled serves the rate limit service.
+	// +required
+	Enabled bool `json:"enabled"`
 }
 
 // RateLimitPolicyStatus reports what the controller and the enforcer really do.

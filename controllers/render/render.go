@@ -122,6 +122,36 @@ func label(name string) string {
 	return strings.TrimRight(clean, "-") + suffix
 }
 
+// ServesRLS reports whether the policy asks for Envoy's rate limit service.
+func ServesRLS(p *v1alpha1.RateLimitPolicy) bool {
+	return p.Spec.Enforcer != nil && p.Spec.Enforcer.RateLimitService != nil && p.Spec.Enforcer.RateLimitService.Enabled
+}
+
+// containerPorts are the enforcer container's ports; rls adds Envoy's rate limit service's.
+func containerPorts(rls bool) []corev1.ContainerPort {
+	ports := []corev1.ContainerPort{
+		{Name: "proxy", ContainerPort: ProxyPort, Protocol: corev1.ProtocolTCP},
+		{Name: "check", ContainerPort: CheckPort, Protocol: corev1.ProtocolTCP},
+	}
+	if rls {
+		ports = append(ports, corev1.ContainerPort{Name: "rls", ContainerPort: RLSPort, Protocol: corev1.ProtocolTCP})
+	}
+	return append(ports, corev1.ContainerPort{Name: "admin", ContainerPort: AdminPort, Protocol: corev1.ProtocolTCP})
+}
+
+// servicePorts are the enforcer Service's ports, as containerPorts.
+func servicePorts(rls bool) []corev1.ServicePort {
+	ports := []corev1.ServicePort{
+		{Name: "proxy", Port: ProxyPort, TargetPort: intstr.FromString("proxy"), Protocol: corev1.ProtocolTCP},
+		{Name: "check", Port: CheckPort, TargetPort: intstr.FromString("check"), Protocol: corev1.ProtocolTCP},
+	}
+	if rls {
+		// Envoy's rate limit service: gRPC over cleartext HTTP/2, which the name tells meshes.
+		ports = append(ports, corev1.ServicePort{Name: "grpc-rls", Port: RLSPort, TargetPort: intstr.FromString("rls"), Protocol: corev1.ProtocolTCP, AppProtocol: ptr.To("kubernetes.io/h2c")})
+	}
+	return append(ports, corev1.ServicePort{Name: "metrics", Port: AdminPort, TargetPort: intstr.FromString("admin"), Protocol: corev1.ProtocolTCP})
+}
+
 // RedisName is the name of the managed Redis Deployment and Service of the enforcer objects
 // named name.
 func RedisName(name string) string { return label(name + "-redis") }
@@ -197,11 +227,14 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		fmt.Sprintf("--upstream=http://%s.%s.svc:%d", p.Spec.TargetRef.Name, p.Namespace, p.Spec.TargetRef.Port),
 		fmt.Sprintf("--listen=:%d", ProxyPort),
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
-		fmt.Sprintf("--rls-listen=:%d", RLSPort),
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
 		"--shutdown-delay=" + shutdownDelay.String(),
 		"--shutdown-timeout=" + shutdownTimeout.String(),
 		"--configmap=" + p.Namespace + "/" + name,
+	}
+	rls := ServesRLS(p)
+	if rls {
+		args = append(args, fmt.Sprintf("--rls-listen=:%d", RLSPort))
 	}
 	var volumes []corev1.Volume
 	mounts := []corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}
@@ -283,15 +316,10 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 						LabelSelector:     &metav1.LabelSelector{MatchLabels: podLabels},
 					}},
 					Containers: []corev1.Container{{
-						Name:  "enforcer",
-						Image: image,
-						Args:  args,
-						Ports: []corev1.ContainerPort{
-							{Name: "proxy", ContainerPort: ProxyPort, Protocol: corev1.ProtocolTCP},
-							{Name: "check", ContainerPort: CheckPort, Protocol: corev1.ProtocolTCP},
-							{Name: "rls", ContainerPort: RLSPort, Protocol: corev1.ProtocolTCP},
-							{Name: "admin", ContainerPort: AdminPort, Protocol: corev1.ProtocolTCP},
-						},
+						Name:            "enforcer",
+						Image:           image,
+						Args:            args,
+						Ports:           containerPorts(rls),
 						ReadinessProbe:  probe("/readyz", 5),
 						LivenessProbe:   probe("/healthz", 10),
 						Resources:       resources,
@@ -311,13 +339,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		ObjectMeta: meta(p, name, labels, nil),
 		Spec: corev1.ServiceSpec{
 			Selector: podLabels,
-			Ports: []corev1.ServicePort{
-				{Name: "proxy", Port: ProxyPort, TargetPort: intstr.FromString("proxy"), Protocol: corev1.ProtocolTCP},
-				{Name: "check", Port: CheckPort, TargetPort: intstr.FromString("check"), Protocol: corev1.ProtocolTCP},
-				// Envoy's rate limit service: gRPC over cleartext HTTP/2, which the name tells meshes.
-				{Name: "grpc-rls", Port: RLSPort, TargetPort: intstr.FromString("rls"), Protocol: corev1.ProtocolTCP, AppProtocol: ptr.To("kubernetes.io/h2c")},
-				{Name: "metrics", Port: AdminPort, TargetPort: intstr.FromString("admin"), Protocol: corev1.ProtocolTCP},
-			},
+			Ports:    servicePorts(rls),
 		},
 	}
 	if replicas > 1 {
