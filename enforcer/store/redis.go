@@ -177,7 +177,7 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 		return ok, err
 	}
 	ok, err := s.decideCluster(ctx, checks, id, out)
-	if err != nil && !errors.Is(err, ErrFault) {
+	if err != nil && !errors.Is(err, ErrFault) && !errors.Is(err, context.Canceled) {
 		// A master that died cannot answer MOVED, and go-redis otherwise reloads the slot map
 		// only once a minute: ask it to reload now, so decisions follow a promoted replica as
 		// soon as the cluster has one. Reloads run in the background, one at a time.
@@ -331,12 +331,16 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 	for i, ci := range group {
 		r := ints[2+5*i:]
 		out[ci] = algorithm.Decision{
-			Allowed:    r[0] == 1,
-			Limit:      checks[ci].Limit.Limit,
-			Remaining:  r[1],
-			Reset:      time.Duration(r[2]) * time.Microsecond,
-			RetryAfter: time.Duration(r[3]) * time.Microsecond,
-			Wait:       time.Duration(r[4]) * time.Microsecond,
+			Allowed:   r[0] == 1,
+			Limit:     checks[ci].Limit.Limit,
+			Remaining: r[1],
+			Reset:     time.Duration(r[2]) * time.Microsecond,
+			Wait:      time.Duration(r[4]) * time.Microsecond,
+		}
+		if r[3] == retryNever {
+			out[ci].Never = true
+		} else {
+			out[ci].RetryAfter = time.Duration(r[3]) * time.Microsecond
 		}
 	}
 	switch ints[0] {
@@ -347,6 +351,9 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 	}
 	return false, ints[1], nil
 }
+
+// retryNever is the decide script's retry_us for a rule the request can never pass.
+const retryNever = -1
 
 // refund gives back what the groups with a non-zero charge time charged. Best effort: an error
 // leaves the charge, which expires with its key.

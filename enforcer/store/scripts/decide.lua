@@ -5,13 +5,15 @@
 --
 -- KEYS[i]   the key of rule i; with idempotency, one more key: the request's record
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
--- ARGV[2]   a request id, unique per request: sliding-log members are id:1..id:cost
+-- ARGV[2]   a request id, unique per request: a sliding log's member for it is id:cost
 -- ARGV[3]   "" or, with idempotency, "<window_ms>:<free repeats>"
 -- ARGV[4+7(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0)
 --
 -- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us};
 -- committed is 1 when the request was charged, 2 when it passed as a free repeat of an admitted
--- request (nothing charged), 0 when it was refused.
+-- request (nothing charged), 0 when it was refused. retry_us is -1 for a rule the request can
+-- never pass: its cost exceeds the rule's limit (or is negative). Such a cost is refused before
+-- any other arithmetic, never an error, so it never reaches the failure mode.
 --
 -- Idempotency record, under the decision's hash tag, with the window as its TTL: an integer,
 -- the repeats seen so far of an admitted request (0 after the first), or -1 for a refused one,
@@ -30,7 +32,10 @@
 --                               count, previous count) while both counts are below 2^25; the key
 --                               lives at most two windows, so the index modulo 4 is unambiguous.
 --                               Larger counts: string "W N P". Both are read whatever the limit.
---   sliding log:                sorted set of members id:j scored by admission time
+--   sliding log:                sorted set of one member id:units per admitted request, scored by
+--                               its admission time, and the member '#' whose score is the units
+--                               held less 2^53 (LOG_BASE): below any admission time, exact, and
+--                               read in O(1). A request of any cost adds one member.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 
@@ -55,6 +60,11 @@ local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
 local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
 local function us(x) if x <= 0 then return 0 end return ceil(x) end
+-- The sliding log's total member '#' is scored units - LOG_BASE; admission times are at least
+-- LOG_MIN, above every total's score for limits below 2^52.
+local LOG_BASE, LOG_MIN = 9007199254740992, '-4503599627370496'
+local NEVER = -1
+local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
 
 -- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
 -- current count and previous count.
@@ -78,10 +88,10 @@ local function swcWrite(idx, cur, prev)
 end
 local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 
--- evaluate decides rule i for a request of cost units. It returns allowed, remaining, reset_us,
--- retry_us, wait_us and the value to write if the request is charged. It changes nothing, except
--- that a sliding log drops entries that left its window.
-local function evaluate(i, cost)
+-- decide decides rule i for a request of cost units, 0 <= cost <= limit. It returns allowed,
+-- remaining, reset_us, retry_us, wait_us and the value to write if the request is charged. It
+-- changes nothing, except that a sliding log drops entries that left its window.
+local function decide(i, cost)
   local b = 4 + (i - 1) * 7
   local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
@@ -182,19 +192,38 @@ local function evaluate(i, cost)
     end
 
   elseif kind == 4 then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now - period))
-    local n = redis.call('ZCARD', key)
-    allowed = n + cost <= limit
+    local total = redis.call('ZSCORE', key, '#')
+    local n = 0
+    if total then n = tonumber(total) + LOG_BASE end
+    local horizon = fmt(now - period)
+    local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, horizon)
+    if #expired > 0 then
+      for _, m in ipairs(expired) do n = n - units(m) end
+      redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, horizon)
+      redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
+    end
+    allowed = cost <= limit - n
     local newest
     if allowed then
       if cost > 0 then
         n = n + cost
         newest = now
-        write = true
+        write = {n}
       end
     else
-      local e = redis.call('ZRANGE', key, n + cost - limit - 1, n + cost - limit - 1, 'WITHSCORES')
-      retry = us(tonumber(e[2]) + period - now)
+      -- The oldest entries holding n+cost-limit units must leave the window first: at most
+      -- that many entries, each of one unit or more, read in pages.
+      local need, from, at = n + cost - limit, 1, nil
+      while not at do
+        local e = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
+        if #e == 0 then error('sluice: sliding log ' .. key .. ' holds fewer units than its total') end
+        for j = 1, #e, 2 do
+          need = need - units(e[j])
+          if need <= 0 then at = tonumber(e[j + 1]) break end
+        end
+        from = from + 64
+      end
+      retry = us(at + period - now)
     end
     if not newest and n > 0 then
       newest = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
@@ -207,6 +236,17 @@ local function evaluate(i, cost)
   end
 
   return allowed, remaining, reset, retry, wait, write
+end
+
+-- evaluate is decide, but a cost the rule can never admit is refused first, as a cost-0 check
+-- sees the rule, with retry_us NEVER.
+local function evaluate(i, cost)
+  local limit = tonumber(ARGV[4 + (i - 1) * 7 + 1])
+  if cost < 0 or cost > limit then
+    local _, remaining, reset = decide(i, 0)
+    return false, remaining, reset, NEVER, 0, nil
+  end
+  return decide(i, cost)
 end
 
 local idem_window, idem_free
@@ -307,6 +347,7 @@ if idem_window then
   end
 end
 
+local logged = {}
 for i = 1, n do
   local r = res[i]
   local b = 4 + (i - 1) * 7
@@ -314,16 +355,11 @@ for i = 1, n do
   if r[1] and r[6] then
     local key, reset = KEYS[i], r[3]
     if kind == 4 then
-      local score = fmt(now)
-      local args = {}
-      for j = 1, cost do
-        args[#args + 1] = score
-        args[#args + 1] = id .. ':' .. j
-        if #args >= 200 or j == cost then
-          redis.call('ZADD', key, unpack(args))
-          args = {}
-        end
-      end
+      -- A decision that names one rule twice charges it once, the last cost, as the memory
+      -- store's last write wins.
+      if logged[key] then redis.call('ZREM', key, logged[key]) end
+      logged[key] = id .. ':' .. cost
+      redis.call('ZADD', key, fmt(now), logged[key], fmt(r[6][1] - LOG_BASE), '#')
       redis.call('PEXPIRE', key, ttl(reset))
     else
       redis.call('SET', key, r[6][1], 'PX', ttl(reset))

@@ -75,8 +75,9 @@ for i = 1, n do
       end
     end
   elseif kind == 4 then
-    for j = 1, cost do
-      redis.call('ZREM', key, id .. ':' .. j)
+    -- The request's one member, and its units from the total (decide.lua's layout).
+    if redis.call('ZREM', key, id .. ':' .. cost) == 1 then
+      redis.call('ZINCRBY', key, fmt(-cost), '#')
     end
   end
 end
