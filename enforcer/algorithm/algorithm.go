@@ -207,6 +207,16 @@ func fmin(a, b float64) float64 {
 	return b
 }
 
+// remaining is the whole units of a float count of them, within [0, limit]: float64 rounds a
+// limit beyond 2^53 (the schema allows 10^9; the fuzz target goes to 2^62), and a count may
+// round past it.
+func remaining(limit int64, units float64) int64 {
+	if r := fmax(0, math.Floor(units)); r < float64(limit) {
+		return int64(r)
+	}
+	return limit
+}
+
 // dur turns a non-negative span of microseconds into a duration, rounded up so that a client
 // that waits it is never early.
 func dur(us float64) time.Duration {
@@ -233,7 +243,7 @@ func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) 
 		d.RetryAfter = dur(need - span)
 	}
 	ahead := fmax(st.T, now) - now
-	d.Remaining = int64(fmax(0, math.Floor((span-ahead)/interval)))
+	d.Remaining = remaining(l.Limit, (span-ahead)/interval)
 	d.Reset = dur(ahead)
 	return st, d
 }
@@ -259,7 +269,7 @@ func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) 
 		d.RetryAfter = dur(start - fmin(span-own, maxWait) - now)
 	}
 	ahead := fmax(st.T, now) - now
-	d.Remaining = int64(fmax(0, math.Floor((span-ahead)/interval)))
+	d.Remaining = remaining(l.Limit, (span-ahead)/interval)
 	d.Reset = dur(ahead)
 	return st, d
 }
@@ -352,7 +362,7 @@ func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, D
 		// In the next window, where the current count becomes the weighted one.
 		d.RetryAfter = dur(start + window + fmax(0, window-(limit-c)*window/cur) - now)
 	}
-	d.Remaining = int64(fmax(0, math.Floor(limit-est)))
+	d.Remaining = remaining(l.Limit, limit-est)
 	switch {
 	case cur > 0:
 		d.Reset = dur(start + 2*window - now)

@@ -127,7 +127,7 @@ local function decide(i, cost)
       end
     end
     local ahead = max(nt, now) - now
-    remaining = max(0, floor((span - ahead) / interval))
+    remaining = min(limit, max(0, floor((span - ahead) / interval)))
     reset = us(ahead)
     if allowed and cost > 0 then write = {struct.pack('<d', nt)} end
 
@@ -184,7 +184,7 @@ local function decide(i, cost)
     else
       retry = us(start + period + max(0, period - (limit - cost) * period / cur) - now)
     end
-    remaining = max(0, floor(limit - est))
+    remaining = min(limit, max(0, floor(limit - est)))
     if cur > 0 then
       reset = us(start + 2 * period - now)
     elseif prev > 0 then
