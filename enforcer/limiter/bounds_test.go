@@ -107,3 +107,64 @@ func TestLimiterWhenClientsCancelThenTheBreakerStaysClosedAndCancellationsAreCou
 		t.Error("three store deadlines passed and the breaker is closed")
 	}
 }
+
+const idempotentAndNot = `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: orders, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  retries:
+    idempotencyKey: {maxRepeats: 3}
+  rules:
+    - name: everyone
+      fixedWindow: {limit: 10, window: 1h}
+---
+apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: plain, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  rules:
+    - name: per-client
+      key: [{type: RemoteAddress}]
+      fixedWindow: {limit: 10, window: 1h}
+`
+
+// An idempotency record belongs to one policy and one client: another client that sends the same
+// key under a rule with no client key is charged as new, and a repeat passes free only the rules
+// of the policy that enabled idempotency; another policy's rules are charged.
+func TestLimiterWhenARepeatComesFromAnotherClientOrPolicyThenItIsCharged(t *testing.T) {
+	stores := map[string]store.Store{"memory": store.NewMemory(store.MemoryOptions{SweepInterval: -1})}
+	if srv := redistest.NewServer(t); srv != nil {
+		stores["redis"] = redisStore(t, standaloneOptions(srv.Addr()))
+	}
+	for name, s := range stores {
+		t.Run(name, func(t *testing.T) {
+			l := limiter.New(limiter.Options{Store: s})
+			l.SetPolicies(policies(t, idempotentAndNot))
+			remaining := func(peer string) (everyone, perClient int64) {
+				t.Helper()
+				per, _ := l.DecideAll(context.Background(), []limiter.Request{*request("/", peer, "Idempotency-Key", "order-1")})
+				if per[0].Outcome != limiter.Allowed {
+					t.Fatalf("%s: %+v", peer, per[0])
+				}
+				// The result describes the rule closest to its limit; ask each policy alone.
+				one := request("/", peer)
+				one.Policy = "test/orders"
+				e := l.Decide(context.Background(), one).Decision.Remaining
+				one.Policy = "test/plain"
+				return e, l.Decide(context.Background(), one).Decision.Remaining
+			}
+			// Each probe above charges one more unit to each rule; subtract them.
+			e1, p1 := remaining("192.0.2.1") // first: charged on both, then the probes
+			e2, p2 := remaining("192.0.2.1") // repeat: free on orders, charged on plain
+			if e1-e2 != 1 || p1-p2 != 2 {
+				t.Errorf("the repeat charged %d on the idempotent policy (want 0) and %d on the other (want 1)", e1-e2-1, p1-p2-1)
+			}
+			e3, _ := remaining("192.0.2.9") // another client, the same key
+			if e2-e3 != 2 {
+				t.Errorf("another client's request with the same key charged %d on the key-less rule, want 1: the clients shared a record", e2-e3-1)
+			}
+		})
+	}
+}

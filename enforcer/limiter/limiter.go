@@ -236,15 +236,16 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			continue
 		}
 		var addr netip.Addr
-		var idem *store.Idempotency
+		var idemValue string
 		if p.Idempotency != nil {
 			if v := req.Header.Values(p.Idempotency.Header); len(v) > 0 && v[0] != "" {
+				idemValue = v[0]
 				if idemKey == "" {
 					idemKey = v[0]
 				}
-				idem = &store.Idempotency{Key: store.IdempotencyKey(v[0]), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
 			}
 		}
+		var idem *store.Idempotency
 		var lastKey, lastTag string // rules of a policy often share their client key
 		for i := range p.Rules {
 			r := &p.Rules[i]
@@ -253,6 +254,12 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			}
 			if !addr.IsValid() {
 				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
+			}
+			if idemValue != "" && idem == nil {
+				// The record is this policy's (its checks' tags) and this client's: the key is
+				// hashed with the client's address, so clients that send the same key never
+				// share a record, even under a rule that has no client key.
+				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
 			}
 			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)

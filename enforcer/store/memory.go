@@ -196,82 +196,126 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		states = make([]algorithm.State, 0, len(checks))
 	}
 	now := algorithm.Micros(s.now())
-	// The idempotency record, under the first check that names one, as decide.lua keeps it.
-	var rsh *shard
-	var rkey memoryKey
-	var rec *idemRecord
-	var idem *Idempotency
-	for i := range checks {
-		if c := &checks[i]; c.Idempotency != nil {
-			idem, rsh, rkey = c.Idempotency, &s.shards[idx[i]], memoryKey{c.Tag, c.Idempotency.Key}
-			if rec = rsh.records[rkey]; rec != nil && rec.expiresAt <= now {
-				rsh.bytes -= rec.size(rkey)
-				delete(rsh.records, rkey)
-				rec = nil
-			}
-			break
-		}
-	}
-	if rec != nil && rec.seen >= 0 && rec.seen < idem.MaxRepeats {
-		// A free repeat of an admitted request: it passes, and nothing is charged.
-		rec.seen++
-		for i := range checks {
-			c := &checks[i]
-			_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
-			out[i].Allowed, out[i].Wait = true, 0
-		}
-		return true, nil
+	// The idempotency records the checks name, as decide.lua keeps them: recOf[i] is check i's
+	// (1-based; 0 for none).
+	var recBuf [2]memoryRecord
+	recs := recBuf[:0]
+	var recOfBuf [commonChecks]int
+	recOf := recOfBuf[:]
+	if len(checks) > commonChecks {
+		recOf = make([]int, len(checks))
 	}
 	for i := range checks {
 		c := &checks[i]
-		st, d := c.Limit.Take(s.shards[idx[i]].state(c), now, c.Cost)
+		recOf[i] = 0
+		if c.Idempotency == nil {
+			continue
+		}
+		k := memoryKey{c.Tag, c.Idempotency.Key}
+		for j := range recs {
+			if recs[j].key == k {
+				recOf[i] = j + 1
+			}
+		}
+		if recOf[i] == 0 {
+			r := memoryRecord{sh: &s.shards[idx[i]], key: k, idem: c.Idempotency}
+			if r.rec = r.sh.records[k]; r.rec != nil && r.rec.expiresAt <= now {
+				r.sh.bytes -= r.rec.size(k)
+				delete(r.sh.records, k)
+				r.rec = nil
+			}
+			recs = append(recs, r)
+			recOf[i] = len(recs)
+		}
+	}
+	var freeBuf [commonChecks]bool
+	free := freeBuf[:]
+	if len(checks) > commonChecks {
+		free = make([]bool, len(checks))
+	}
+	for i := range checks {
+		c := &checks[i]
+		st := s.shards[idx[i]].state(c)
+		if j := recOf[i]; j > 0 && recs[j-1].free() {
+			// A free repeat of an admitted request, for this check's policy: it passes uncharged.
+			free[i] = true
+			_, out[i] = c.Limit.Take(st, now, 0)
+			out[i].Allowed, out[i].Wait = true, 0
+			states = append(states, st)
+			continue
+		}
+		free[i] = false
+		st, d := c.Limit.Take(st, now, c.Cost)
 		states, out[i] = append(states, st), d
 	}
-	refusedRepeat := rec != nil && rec.seen < 0
-	if refusedRepeat && charged(checks, out) {
-		// A repeat of a refused request before its Retry-After, which no limit refuses now:
-		// refused the same way, by the first enforced rule, until the record ends.
-		for i := range checks {
-			if c := &checks[i]; c.Enforce {
-				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
-				out[i].Allowed, out[i].RetryAfter = false, time.Duration(max(1, rec.expiresAt-now))*time.Microsecond
-				break
+	commit := charged(checks, out)
+	for j := range recs {
+		if r := &recs[j]; commit && r.rec != nil && r.rec.seen < 0 {
+			// A repeat of a refused request before its Retry-After, which no limit refuses now:
+			// refused the same way, by the first enforced check of its record, until the
+			// record ends.
+			for i := range checks {
+				if c := &checks[i]; c.Enforce && recOf[i] == j+1 {
+					_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
+					out[i].Allowed, out[i].Wait = false, 0
+					out[i].RetryAfter = time.Duration(max(1, math.Ceil((r.rec.expiresAt-now)/1000))) * time.Millisecond
+					commit = false
+					break
+				}
 			}
 		}
 	}
-	if refusedRepeat || !charged(checks, out) {
+	if !commit {
 		// Nothing is charged, so the rules that would have allowed report their state as it
 		// stays: what a cost-0 check sees.
 		var retry time.Duration
 		for i := range checks {
-			if c := &checks[i]; out[i].Allowed && c.Cost > 0 {
+			if c := &checks[i]; out[i].Allowed && !free[i] && c.Cost > 0 {
 				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
 				out[i].Allowed = true
 			} else if !out[i].Allowed && c.Enforce {
 				retry = max(retry, out[i].RetryAfter)
 			}
 		}
-		if idem != nil && rec == nil {
-			// The first refusal of this request: its repeats are refused until its Retry-After,
-			// in whole milliseconds as Redis keeps the record's TTL.
-			s.makeRecordRoom(rsh, now, rkey)
-			ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
-			rsh.records[rkey] = &idemRecord{seen: -1, expiresAt: now + ms*1000}
+		for j := range recs {
+			if r := &recs[j]; r.rec == nil {
+				// The first refusal of this request: its repeats are refused until its
+				// Retry-After, in whole milliseconds as Redis keeps the record's TTL.
+				s.makeRecordRoom(r.sh, now, r.key)
+				ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
+				r.sh.records[r.key] = &idemRecord{seen: -1, expiresAt: now + ms*1000}
+			}
 		}
 		return false, nil
 	}
 	for i := range checks {
-		s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
+		if !free[i] {
+			s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
+		}
 	}
-	if idem != nil {
-		if rec != nil {
-			rec.seen++ // a charged repeat, past the free ones
+	for j := range recs {
+		if r := &recs[j]; r.rec != nil {
+			r.rec.seen++ // a repeat, free or charged
 		} else {
-			s.makeRecordRoom(rsh, now, rkey)
-			rsh.records[rkey] = &idemRecord{expiresAt: now + float64(idem.Window.Microseconds())}
+			s.makeRecordRoom(r.sh, now, r.key)
+			r.sh.records[r.key] = &idemRecord{expiresAt: now + float64(r.idem.Window.Microseconds())}
 		}
 	}
 	return true, nil
+}
+
+// memoryRecord is one idempotency record a decision names: where it lives, and what it holds
+// (nil for none).
+type memoryRecord struct {
+	sh   *shard
+	key  memoryKey
+	rec  *idemRecord
+	idem *Idempotency
+}
+
+// free reports whether the record makes the request a free repeat of an admitted one.
+func (r *memoryRecord) free() bool {
+	return r.rec != nil && r.rec.seen >= 0 && r.rec.seen < r.idem.MaxRepeats
 }
 
 // decideOne is Decide for the common single-rule request: one shard, no bookkeeping.

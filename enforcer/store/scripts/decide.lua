@@ -3,21 +3,26 @@
 -- consumes nothing. The arithmetic mirrors enforcer/algorithm operation for operation, so both
 -- stores reach identical decisions.
 --
--- KEYS[i]   the key of rule i; with idempotency, one more key: the request's record
+-- KEYS[i]   the key of rule i, i = 1..n; then KEYS[n+j], j = 1..m: idempotency record j
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
 -- ARGV[2]   a request id, unique per request: a sliding log's member for it is id:cost
--- ARGV[3]   "" or, with idempotency, "<window_ms>:<free repeats>"
--- ARGV[4+7(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0)
+-- ARGV[3]   "" or, per record j, "<window_ms>:<free repeats>", separated by spaces
+-- ARGV[4+8(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0),
+--           record (0 for none, else the j of the record of the rule's policy and client)
 --
 -- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us};
 -- committed is 1 when the request was charged, 2 when it passed as a free repeat of an admitted
--- request (nothing charged), 0 when it was refused. retry_us is -1 for a rule the request can
+-- request on every rule (nothing charged), 0 when it was refused. A rule's allowed is 2 when it
+-- passed as a free repeat: its record admitted the request before, so it is not charged. retry_us is -1 for a rule the request can
 -- never pass: its cost exceeds the rule's limit (or is negative). Such a cost is refused before
 -- any other arithmetic, never an error, so it never reaches the failure mode.
 --
--- Idempotency record, under the decision's hash tag, with the window as its TTL: an integer,
--- the repeats seen so far of an admitted request (0 after the first), or -1 for a refused one,
--- whose record lives until the first refusal's Retry-After instead.
+-- Idempotency records, one per policy and client that enabled idempotency (the record's name
+-- hashes the idempotency key with the client's identity, under the rules' hash tag), with the
+-- window as TTL: an integer, the repeats seen so far of an admitted request (0 after the
+-- first), or -1 for a refused one, whose record lives until the first refusal's Retry-After
+-- instead. A free repeat passes only the rules of its record; every other rule of the request is
+-- decided and charged as usual.
 --
 -- State, one key per rule, always with a TTL of the time after which it is idle again. The TTL
 -- only collects garbage: window indexes are stored in the values, so a key that outlives its
@@ -38,6 +43,7 @@
 --                               read in O(1). A request of any cost adds one member.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+local W = 8 -- ARGV per rule
 
 local now
 if ARGV[1] ~= '' then
@@ -92,7 +98,7 @@ local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 -- remaining, reset_us, retry_us, wait_us and the value to write if the request is charged. It
 -- changes nothing, except that a sliding log drops entries that left its window.
 local function decide(i, cost)
-  local b = 4 + (i - 1) * 7
+  local b = 4 + (i - 1) * W
   local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   local key = KEYS[i]
@@ -241,7 +247,7 @@ end
 -- evaluate is decide, but a cost the rule can never admit is refused first, as a cost-0 check
 -- sees the rule, with retry_us NEVER.
 local function evaluate(i, cost)
-  local limit = tonumber(ARGV[4 + (i - 1) * 7 + 1])
+  local limit = tonumber(ARGV[4 + (i - 1) * W + 1])
   if cost < 0 or cost > limit then
     local _, remaining, reset = decide(i, 0)
     return false, remaining, reset, NEVER, 0, nil
@@ -249,110 +255,93 @@ local function evaluate(i, cost)
   return decide(i, cost)
 end
 
-local idem_window, idem_free
-if ARGV[3] ~= '' then
-  local w, m = string.match(ARGV[3], '^(%d+):(%d+)$')
-  idem_window, idem_free = tonumber(w), tonumber(m)
+-- The records, and the rules.
+local recs = {}
+for w, f in string.gmatch(ARGV[3], '(%d+):(%d+)') do
+  recs[#recs + 1] = {window = tonumber(w), free = tonumber(f)}
 end
-local n = #KEYS
-local record, seen
-if idem_window then
-  record = KEYS[n]
-  n = n - 1
-  seen = tonumber(redis.call('GET', record) or nil)
+local n = #KEYS - #recs
+for j, r in ipairs(recs) do
+  r.key = KEYS[n + j]
+  r.seen = tonumber(redis.call('GET', r.key) or nil)
 end
+local function arg(i, f) return ARGV[4 + (i - 1) * W + f] end
+local function enforced(i) return arg(i, 6) == '1' end
+local function rec(i) return recs[tonumber(arg(i, 7))] end
 
--- report returns the script's reply for decisions made without charging anything: each rule as
--- a cost-0 check sees it, allowed unless refused says otherwise.
-local function report(committed, refused)
-  local out = {committed, now}
-  for i = 1, n do
-    local r = {evaluate(i, 0)}
-    r[1] = not refused[i]
-    r[5] = 0 -- nothing is queued: no wait
-    out[#out + 1] = r[1] and 1 or 0
-    out[#out + 1] = r[2]
-    out[#out + 1] = r[3]
-    out[#out + 1] = r[4]
-    out[#out + 1] = r[5]
-  end
-  return out
-end
-
-if seen and seen >= 0 and seen < idem_free then
-  -- A free repeat of an admitted request: it passes, and nothing is charged.
-  redis.call('SET', record, fmt(seen + 1), 'KEEPTTL')
-  return report(2, {})
-end
-
-local res = {}
-local commit = true
+local res, free = {}, {}
+local commit, all_free = true, true
 for i = 1, n do
-  local cost = tonumber(ARGV[4 + (i - 1) * 7 + 5])
-  local r = {evaluate(i, cost)}
-  res[i] = r
-  if ARGV[4 + (i - 1) * 7 + 6] == '1' and not r[1] then commit = false end
+  local r = rec(i)
+  if r and r.seen and r.seen >= 0 and r.seen < r.free then
+    -- A free repeat of an admitted request, for this rule's policy: it passes uncharged.
+    free[i] = true
+    res[i] = {evaluate(i, 0)}
+    res[i][1], res[i][5] = true, 0
+  else
+    all_free = false
+    res[i] = {evaluate(i, tonumber(arg(i, 5)))}
+    if enforced(i) and not res[i][1] then commit = false end
+  end
 end
 
-if seen and seen < 0 then
-  -- A repeat of a refused request, before that refusal's Retry-After: refused the same way.
-  -- The limits refuse it already unless they changed; if none does, the first enforced rule
-  -- refuses it until the record ends.
-  local refusing = false
-  for i = 1, n do
-    if ARGV[4 + (i - 1) * 7 + 6] == '1' and not res[i][1] then refusing = true end
-  end
-  if not refusing then
-    for i = 1, n do
-      if ARGV[4 + (i - 1) * 7 + 6] == '1' then
-        local out = report(0, {[i] = true})
-        out[2 + 5 * (i - 1) + 4] = max(1, redis.call('PTTL', record)) * 1000
-        return out
+if commit then
+  -- A repeat of a refused request, before that refusal's Retry-After: refused the same way. The
+  -- limits refuse it already unless they changed; if none does, the first enforced rule of the
+  -- record's policy refuses it until the record ends.
+  for j, r in ipairs(recs) do
+    if r.seen and r.seen < 0 then
+      for i = 1, n do
+        if commit and enforced(i) and tonumber(arg(i, 7)) == j then
+          res[i] = {evaluate(i, 0)}
+          res[i][1], res[i][4], res[i][5] = false, max(1, redis.call('PTTL', r.key)) * 1000, 0
+          commit = false
+        end
       end
     end
   end
-  commit = false
 end
 
-local out = {commit and 1 or 0, now}
+local out = {commit and (all_free and 2 or 1) or 0, now}
 local retry_max = 0
 for i = 1, n do
   local r = res[i]
-  local cost = tonumber(ARGV[4 + (i - 1) * 7 + 5])
-  if not commit and r[1] and cost > 0 then
+  local cost = tonumber(arg(i, 5))
+  if not commit and r[1] and not free[i] and cost > 0 then
     -- Nothing is charged, so a rule that would have allowed reports its state as it stays.
     r = {evaluate(i, 0)}
     r[1] = true
   end
-  if not r[1] and ARGV[4 + (i - 1) * 7 + 6] == '1' then retry_max = max(retry_max, r[4]) end
-  out[#out + 1] = r[1] and 1 or 0
+  if not r[1] and enforced(i) then retry_max = max(retry_max, r[4]) end
+  out[#out + 1] = r[1] and (free[i] and 2 or 1) or 0
   out[#out + 1] = r[2]
   out[#out + 1] = r[3]
   out[#out + 1] = r[4]
   out[#out + 1] = r[5]
 end
 if not commit then
-  if idem_window and not seen then
-    -- The first refusal of this request: its repeats are refused until its Retry-After.
-    redis.call('SET', record, '-1', 'PX', ttl(retry_max))
+  for _, r in ipairs(recs) do
+    if not r.seen then
+      -- The first refusal of this request: its repeats are refused until its Retry-After.
+      redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
+    end
   end
   return out
 end
 
-if idem_window then
-  if seen then
-    redis.call('SET', record, fmt(seen + 1), 'KEEPTTL') -- a charged repeat, past the free ones
+for _, r in ipairs(recs) do
+  if r.seen then
+    redis.call('SET', r.key, fmt(r.seen + 1), 'KEEPTTL') -- a repeat, free or charged
   else
-    redis.call('SET', record, '0', 'PX', idem_window)
+    redis.call('SET', r.key, '0', 'PX', r.window)
   end
 end
 
 local logged = {}
 for i = 1, n do
   local r = res[i]
-  local b = 4 + (i - 1) * 7
-  local kind, cost = tonumber(ARGV[b]), tonumber(ARGV[b + 5])
-  if r[1] and r[6] then
+  local kind, cost = tonumber(arg(i, 0)), tonumber(arg(i, 5))
+  if r[1] and r[6] and not free[i] then
     local key, reset = KEYS[i], r[3]
     if kind == 4 then
       -- A decision that names one rule twice charges it once, the last cost, as the memory
