@@ -94,7 +94,7 @@ func TestStoresWhenASlidingLogIsChargedItsLimitAtOnceThenItsStateIsOneEntry(t *t
 func TestMemoryWhenKeysAreHeldThenTheirCountedBytesCoverTheHeap(t *testing.T) {
 	const maxBytes = 4 << 20
 	s := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1})
-	defer s.Close()
+	defer func() { _ = s.Close() }()
 	kinds := allKinds(100, time.Hour)
 	var before, after runtime.MemStats
 	runtime.GC()
@@ -127,7 +127,7 @@ func TestMemoryWhenKeysAreHeldThenTheirCountedBytesCoverTheHeap(t *testing.T) {
 func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *testing.T) {
 	const maxBytes = 64 * 1024 // 1 KiB per shard
 	s := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1})
-	defer s.Close()
+	defer func() { _ = s.Close() }()
 	l := algorithm.Limit{Kind: algorithm.SlidingLog, Limit: 10_000, Period: time.Hour}
 	out := make([]algorithm.Decision, 1)
 	for i := range 100_000 {
@@ -144,7 +144,7 @@ func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *test
 	c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: tag, Rule: "ruleid01"}}
 	now := time.Unix(1_700_000_000, 0)
 	s2 := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1, Now: func() time.Time { return now }})
-	defer s2.Close()
+	defer func() { _ = s2.Close() }()
 	for i := range 500 {
 		now = now.Add(time.Millisecond)
 		if _, err := s2.Decide(context.Background(), c, out); err != nil || !out[0].Allowed || out[0].Remaining != int64(9_999-i) {

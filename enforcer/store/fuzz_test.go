@@ -92,12 +92,12 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 		in := &fuzzInput{b: data}
 		clock := &fakeClock{now: time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond)}
 		mem := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
-		defer mem.Close()
+		defer func() { _ = mem.Close() }()
 		rs, err := store.NewRedis(store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: 10 * time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer rs.Close()
+		defer func() { _ = rs.Close() }()
 		rs.SetClock(clock.Now)
 
 		run := fmt.Sprintf("fuzz/%d/%d", runID, fuzzRun.Add(1))
