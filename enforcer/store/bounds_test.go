@@ -152,3 +152,25 @@ func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *test
 		}
 	}
 }
+
+// A hot sliding log whose entries keep leaving its window holds an array of the order of the
+// entries in the window: what left is compacted away, and the bytes counted follow.
+func TestMemoryWhenASlidingLogSlidesForLongThenItsArrayStaysTheSizeOfItsWindow(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1, Now: func() time.Time { return now }})
+	defer func() { _ = s.Close() }()
+	l := algorithm.Limit{Kind: algorithm.SlidingLog, Limit: 10_000, Period: time.Second}
+	c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: store.Tag("p", "hot"), Rule: "ruleid01"}}
+	out := make([]algorithm.Decision, 1)
+	most := int64(0)
+	for i := range 200_000 {
+		now = now.Add(time.Millisecond) // 1,000 entries in the window
+		if _, err := s.Decide(context.Background(), c, out); err != nil || !out[0].Allowed {
+			t.Fatalf("request %d: %+v, %v", i, out[0], err)
+		}
+		most = max(most, s.Bytes())
+	}
+	if limit := int64(4 * 1016 * algorithm.LogEntrySize); most > limit {
+		t.Errorf("the key counted up to %d bytes for 1,000 entries in its window, want at most %d", most, limit)
+	}
+}
