@@ -14,6 +14,7 @@ import (
 
 	"github.com/sluice-dev/sluice/test/local"
 	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/test/tier"
 )
 
 const slidingLogPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1
@@ -63,8 +64,8 @@ func hitsRequest(client, path string, hits uint32) *rlsv3.RateLimitRequest {
 // default failure mode Open admitted. It is OVER_LIMIT on both, and the binary keeps serving.
 func TestEnforcerBinaryWhenHitsAddendExceedsASlidingLogThenOverLimitAndItKeepsServing(t *testing.T) {
 	stores := map[string][]string{"memory": nil}
-	if srv := redistest.NewServer(t); srv != nil {
-		stores["redis"] = []string{"--redis-url=redis://" + srv.Addr() + "/0"}
+	if !tier.Fast() {
+		stores["redis"] = []string{"--redis-url=redis://" + redistest.NewServer(t).Addr() + "/0"}
 	}
 	for name, flags := range stores {
 		t.Run(name, func(t *testing.T) {

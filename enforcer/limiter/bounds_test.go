@@ -12,6 +12,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/store"
 	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/test/tier"
 )
 
 const slidingLogOfFive = `apiVersion: ratelimit.sluice.dev/v1alpha1
@@ -31,8 +32,8 @@ spec:
 // the store and without a Retry-After, and it never reaches the failure mode.
 func TestLimiterWhenHitsTimesCostExceedTheLimitThenRefusedAsNever(t *testing.T) {
 	stores := map[string]store.Store{"memory": store.NewMemory(store.MemoryOptions{SweepInterval: -1})}
-	if srv := redistest.NewServer(t); srv != nil {
-		stores["redis"] = redisStore(t, standaloneOptions(srv.Addr()))
+	if !tier.Fast() {
+		stores["redis"] = redisStore(t, standaloneOptions(redistest.NewServer(t).Addr()))
 	}
 	for name, s := range stores {
 		t.Run(name, func(t *testing.T) {
@@ -135,8 +136,8 @@ spec:
 // of the policy that enabled idempotency; another policy's rules are charged.
 func TestLimiterWhenARepeatComesFromAnotherClientOrPolicyThenItIsCharged(t *testing.T) {
 	stores := map[string]store.Store{"memory": store.NewMemory(store.MemoryOptions{SweepInterval: -1})}
-	if srv := redistest.NewServer(t); srv != nil {
-		stores["redis"] = redisStore(t, standaloneOptions(srv.Addr()))
+	if !tier.Fast() {
+		stores["redis"] = redisStore(t, standaloneOptions(redistest.NewServer(t).Addr()))
 	}
 	for name, s := range stores {
 		t.Run(name, func(t *testing.T) {
