@@ -94,6 +94,20 @@ test: redis-server ## Run all tests against a real API server, real Redis and re
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" HELM="$$(hack/tool.sh helm)" PROMTOOL="$$(hack/tool.sh promtool)" \
 		go test -race -count=1 -timeout 30m ./...
 
+# FUZZTIME is how long `make fuzz` runs each fuzz target.
+FUZZTIME ?= 20s
+
+.PHONY: fuzz
+fuzz: redis-server ## Run every fuzz target of the repository (found by go test -list) for FUZZTIME each, default 20s; a crash is written to the target's testdata/fuzz/ and fails the run.
+	@targets=$$(go test -short -list '^Fuzz' ./... | awk '/^Fuzz/ { names = names " " $$0 } /^ok / { if (names != "") print $$2 names; names = "" }'); \
+	if [[ -z "$$targets" ]]; then echo "no fuzz targets found"; exit 1; fi; \
+	while read -r pkg names; do \
+		for name in $$names; do \
+			echo "--- fuzz $$pkg $$name for $(FUZZTIME)"; \
+			go test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 10s "$$pkg" || exit 1; \
+		done; \
+	done <<< "$$targets"
+
 .PHONY: bench
 bench: redis-server ## Run the Go benchmarks.
 	go test -run '^$$' -bench . -benchmem ./...

@@ -109,8 +109,13 @@ func exchange(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) []by
 		t.Fatal(err)
 	}
 	defer func() { _ = c.Close() }()
-	_ = c.SetDeadline(time.Now().Add(200 * time.Millisecond))
-	go func() { _, _ = c.Write(data) }()
+	_ = c.SetDeadline(time.Now().Add(50 * time.Millisecond))
+	// A zero-length write to fasthttputil's pipe is read as zero bytes and no error, which no
+	// socket returns and fasthttp's reader refuses to handle (testdata/fuzz/FuzzCheckAPI holds
+	// the input that found it): a client that sends nothing sends no write at all.
+	if len(data) > 0 {
+		go func() { _, _ = c.Write(data) }()
+	}
 	out, _ := io.ReadAll(c)
 	return out
 }

@@ -38,21 +38,29 @@ type problem struct {
 }
 
 // refusal describes a refused request: 429 for a limit, 503 when a fail-closed rule's store is
-// down. It sets the headers through set and returns the status and the problem+json body.
+// down. It sets the headers through set and returns the status and the problem+json body. A
+// request that can never pass (its cost is over the rule's capacity) gets no Retry-After: no
+// time would let it through.
 func refusal(set func(name, value string), res *limiter.Result) (status int, body []byte) {
 	retry := max(1, policy.Seconds(res.RetryAfter))
 	p := problem{Policy: res.Policy, RetryAfter: retry}
 	if res.Rule != nil {
 		p.Rule = res.Rule.Name
 	}
-	if res.Outcome == limiter.Unavailable {
+	switch {
+	case res.Outcome == limiter.Unavailable:
 		p.Type, p.Title, p.Status = "https://sluice.dev/problems/store-unavailable", "Service Unavailable", http.StatusServiceUnavailable
 		p.Detail = "the rate-limit store is unavailable and rule " + strconv.Quote(p.Rule) + " fails closed"
-	} else {
+	case res.Never:
+		p.Type, p.Title, p.Status, p.RetryAfter = "https://sluice.dev/problems/never-passes", "Too Many Requests", http.StatusTooManyRequests, 0
+		p.Detail = "the request's cost exceeds what rate limit " + strconv.Quote(p.Rule) + " can ever admit; it can never pass"
+	default:
 		p.Type, p.Title, p.Status = "https://sluice.dev/problems/rate-limited", "Too Many Requests", http.StatusTooManyRequests
 		p.Detail = "rate limit " + strconv.Quote(p.Rule) + " exceeded; retry after " + strconv.FormatInt(retry, 10) + "s"
 	}
-	set("Retry-After", strconv.FormatInt(retry, 10))
+	if p.RetryAfter > 0 {
+		set("Retry-After", strconv.FormatInt(retry, 10))
+	}
 	set("Content-Type", "application/problem+json")
 	set("Cache-Control", "no-store")
 	body, _ = json.Marshal(p) // strings and integers: cannot fail

@@ -150,6 +150,18 @@ func TestEnforcerBinaryWhenTheHostIsLongThenTheRequestPassesAndTheProcessLives(t
 			t.Errorf("Host of %d bytes: %d, want 200", n, s)
 		}
 	}
+	// Connections that send nothing, or half a request, then leave.
+	for _, addr := range []string{h.proxy, h.check, h.admin} {
+		for _, sent := range []string{"", "GET / HT", "PRI * HTTP/2.0\r\n"} {
+			c, err := net.Dial("tcp", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, _ = io.WriteString(c, sent)
+			_ = c.(*net.TCPConn).CloseWrite()
+			_ = c.Close()
+		}
+	}
 	h.alive(t)
 }
 

@@ -53,13 +53,25 @@ type Limit struct {
 //   - leaky bucket: T is the next free departure time;
 //   - fixed window: W is the window index, N the units counted in it;
 //   - sliding window counter: W is the window index, N the current and P the previous count;
-//   - sliding log: Log holds the timestamps of the admitted units, oldest first.
+//   - sliding log: Log holds the admitted requests, oldest first: when each was admitted and
+//     how many units it took. One entry per request, never one per unit, so a key holds at
+//     most Limit entries and a request of any cost adds one.
 //
 // The zero State is an idle key.
 type State struct {
 	T, W, N, P float64
-	Log        []float64
+	Log        []LogEntry
 }
+
+// LogEntry is one admitted request of a sliding log: its admission time, in microseconds, and
+// its units.
+type LogEntry struct {
+	At    float64
+	Units int64
+}
+
+// LogEntrySize is the bytes one LogEntry takes, for stores that bound their memory.
+const LogEntrySize = 16
 
 // Decision is the outcome of one rule for one request.
 type Decision struct {
@@ -76,6 +88,10 @@ type Decision struct {
 	RetryAfter time.Duration
 	// Wait is, for an admitted leaky-bucket request, how long to hold it before forwarding.
 	Wait time.Duration
+	// Never is, for a refusal, that the same request can never pass: its cost exceeds the
+	// rule's capacity or limit (or is negative). RetryAfter is then 0: no wait would help, and
+	// nothing may promise otherwise. Remaining and Reset are what a cost-0 check sees.
+	Never bool
 }
 
 // Layout names how a key's stored state is to be read: the algorithm and, for the window
@@ -88,6 +104,9 @@ func (l Limit) Layout() string {
 	switch l.Kind {
 	case FixedWindow, SlidingWindowCounter:
 		return l.Kind.letter() + strconv.FormatInt(l.Period.Milliseconds(), 36)
+	case SlidingLog:
+		// "2": one entry per request with its units (the first layout kept one per unit).
+		return l.Kind.letter() + "2"
 	}
 	return l.Kind.letter()
 }
@@ -101,7 +120,20 @@ func Micros(t time.Time) float64 { return float64(t.UnixMicro()) }
 // Take decides a request of cost units at now (in microseconds, see Micros). It returns the new
 // state, which the caller stores only if the request is charged. Cost 0 checks without
 // charging: the returned state equals st.
+//
+// A cost above the rule's limit, or below zero, is refused at once with Never set: whatever
+// multiplied it (RLS hits_addend times the rule's cost), no state could ever admit it. Every
+// other cost is at most the limit, so the arithmetic below stays within it.
 func (l Limit) Take(st State, now float64, cost int64) (State, Decision) {
+	if cost < 0 || cost > l.Limit {
+		next, d := l.take(st, now, 0)
+		d.Allowed, d.Never, d.RetryAfter, d.Wait = false, true, 0, 0
+		return next, d
+	}
+	return l.take(st, now, cost)
+}
+
+func (l Limit) take(st State, now float64, cost int64) (State, Decision) {
 	switch l.Kind {
 	case TokenBucket:
 		return l.tokenBucket(st, now, cost)
@@ -175,6 +207,16 @@ func fmin(a, b float64) float64 {
 	return b
 }
 
+// remaining is the whole units of a float count of them, within [0, limit]: float64 rounds a
+// limit beyond 2^53 (the schema allows 10^9; the fuzz target goes to 2^62), and a count may
+// round past it.
+func remaining(limit int64, units float64) int64 {
+	if r := fmax(0, math.Floor(units)); r < float64(limit) {
+		return int64(r)
+	}
+	return limit
+}
+
 // dur turns a non-negative span of microseconds into a duration, rounded up so that a client
 // that waits it is never early.
 func dur(us float64) time.Duration {
@@ -201,7 +243,7 @@ func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) 
 		d.RetryAfter = dur(need - span)
 	}
 	ahead := fmax(st.T, now) - now
-	d.Remaining = int64(fmax(0, math.Floor((span-ahead)/interval)))
+	d.Remaining = remaining(l.Limit, (span-ahead)/interval)
 	d.Reset = dur(ahead)
 	return st, d
 }
@@ -227,7 +269,7 @@ func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) 
 		d.RetryAfter = dur(start - fmin(span-own, maxWait) - now)
 	}
 	ahead := fmax(st.T, now) - now
-	d.Remaining = int64(fmax(0, math.Floor((span-ahead)/interval)))
+	d.Remaining = remaining(l.Limit, (span-ahead)/interval)
 	d.Reset = dur(ahead)
 	return st, d
 }
@@ -258,33 +300,42 @@ func (l Limit) fixedWindow(st State, now float64, cost int64) (State, Decision) 
 	return st, d
 }
 
-// slidingLog remembers every admitted unit for one window and admits a request when the units of
-// the last window plus its cost fit the limit. Exact, at the price of one entry per unit.
+// slidingLog remembers every admitted request for one window and admits a request when the units
+// of the last window plus its cost fit the limit. Exact, at the price of one entry per request.
 func (l Limit) slidingLog(st State, now float64, cost int64) (State, Decision) {
 	window := micros(l.Period)
 	drop := 0
-	for drop < len(st.Log) && st.Log[drop] <= now-window {
+	n := int64(0)
+	for drop < len(st.Log) && st.Log[drop].At <= now-window {
 		drop++
 	}
 	log := st.Log[drop:]
-	n := int64(len(log))
-	d := Decision{Limit: l.Limit, Allowed: n+cost <= l.Limit}
+	for _, e := range log {
+		n += e.Units
+	}
+	// n <= Limit and 0 <= cost <= Limit (Take): the subtraction cannot overflow.
+	d := Decision{Limit: l.Limit, Allowed: cost <= l.Limit-n}
 	if d.Allowed {
-		// Appending never changes the elements the caller's slice can see, so st stays valid
-		// for a caller that does not store the result.
-		for range cost {
-			log = append(log, now)
+		if cost > 0 {
+			// Appending never changes the elements the caller's slice can see, so st stays
+			// valid for a caller that does not store the result.
+			log = append(log, LogEntry{At: now, Units: cost})
+			n += cost
 		}
 	} else {
-		// The oldest n+cost-limit entries must leave the window first.
-		d.RetryAfter = dur(log[n+cost-l.Limit-1] + window - now)
+		// The oldest entries holding n+cost-limit units must leave the window first.
+		need, i := n+cost-l.Limit, 0
+		for need -= log[0].Units; need > 0; need -= log[i].Units {
+			i++
+		}
+		d.RetryAfter = dur(log[i].At + window - now)
 	}
 	if d.Allowed && cost > 0 || drop > 0 {
 		st.Log = log
 	}
-	d.Remaining = l.Limit - int64(len(log))
+	d.Remaining = l.Limit - n
 	if len(log) > 0 {
-		d.Reset = dur(log[len(log)-1] + window - now)
+		d.Reset = dur(log[len(log)-1].At + window - now)
 	}
 	return st, d
 }
@@ -311,7 +362,7 @@ func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, D
 		// In the next window, where the current count becomes the weighted one.
 		d.RetryAfter = dur(start + window + fmax(0, window-(limit-c)*window/cur) - now)
 	}
-	d.Remaining = int64(fmax(0, math.Floor(limit-est)))
+	d.Remaining = remaining(l.Limit, limit-est)
 	switch {
 	case cur > 0:
 		d.Reset = dur(start + 2*window - now)

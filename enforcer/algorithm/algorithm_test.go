@@ -1,6 +1,7 @@
 package algorithm_test
 
 import (
+	"math"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -265,5 +266,25 @@ func TestLayoutWhenTheStateWouldReadDifferentlyThenTheLayoutDiffers(t *testing.T
 			t.Errorf("%v and %v share the layout %q", k, other, l)
 		}
 		seen[l] = k
+	}
+}
+
+// A cost above the limit can never pass: refused at once, with no Retry-After that would promise
+// otherwise, on every algorithm, whatever the state; the state is left as a cost-0 check leaves it.
+func TestEveryAlgorithmWhenCostExceedsTheLimitThenRefusedAsNever(t *testing.T) {
+	for _, l := range allKinds(5, time.Minute) {
+		for _, cost := range []int64{6, 1000, math.MaxInt64, -1, math.MinInt64} {
+			var st algorithm.State
+			now := algorithm.Micros(t0)
+			st, _ = l.Take(st, now, 2)
+			next, d := l.Take(st, now, cost)
+			want := algorithm.Decision{Limit: 5, Remaining: 3, Reset: d.Reset, Never: true}
+			if d != want || d.Reset <= 0 {
+				t.Errorf("%v cost %d: %+v, want %+v", l.Kind, cost, d, want)
+			}
+			if _, again := l.Take(next, now, 3); !again.Allowed {
+				t.Errorf("%v cost %d charged something: a cost of 3 is then refused", l.Kind, cost)
+			}
+		}
 	}
 }

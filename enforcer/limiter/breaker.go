@@ -15,7 +15,8 @@ var errBreakerOpen = errors.New("the store circuit breaker is open")
 // for open: decisions fail at once, and rules apply their failure modes without waiting for the
 // store's timeout. Then one decision probes the store (half-open) while the others still fail
 // at once: its success closes the breaker, its failure opens it again. A fault (store.ErrFault)
-// is the decision's own and counts as a success. Time comes from now, so tests drive the breaker
+// is the decision's own and counts as a success; a cancelled decision (the client left) counts
+// as neither (abandon). Time comes from now, so tests drive the breaker
 // with a fake clock.
 type breaker struct {
 	failures uint32
@@ -75,6 +76,16 @@ func (b *breaker) done(err error) {
 			b.trip()
 			b.changed(true)
 		}
+	}
+}
+
+// abandon records an allowed decision that ended with neither a success nor a failure: its
+// caller cancelled it. A probe so abandoned lets the next decision probe instead.
+func (b *breaker) abandon() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.state == breakerProbing {
+		b.state = breakerOpen // its until has passed: the next decision probes
 	}
 }
 

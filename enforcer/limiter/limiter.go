@@ -5,6 +5,7 @@ package limiter
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"net/netip"
 	"strconv"
@@ -89,6 +90,10 @@ type Result struct {
 	Wait time.Duration
 	// RetryAfter is, for a refusal, when the same request may pass.
 	RetryAfter time.Duration
+	// Never is, for a refusal, that the same request can never pass: its cost (the rule's cost
+	// times Hits) exceeds an enforced rule's capacity or limit. RetryAfter is then 0, and a front
+	// end sends no Retry-After, which would promise otherwise.
+	Never bool
 	// Rule is the rule the response's RateLimit headers describe: the refusing rule, or the
 	// enforced rule closest to its limit. Nil when no enforced rule has a decision to show.
 	Rule *policy.Rule
@@ -226,6 +231,9 @@ func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
 	charged, err := l.decide(ctx, checks, out)
 	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
 	if err != nil {
+		if cancelled(ctx, err) {
+			return l.cancelled(rules)
+		}
 		return l.failureModes(rules, err)
 	}
 	return jitter(l.result(checks, rules, out, charged, cache))
@@ -242,19 +250,20 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			continue
 		}
 		var addr netip.Addr
-		var idem *store.Idempotency
+		var idemValue string
 		if p.Idempotency != nil {
 			v := req.Header.Values(p.Idempotency.Header)
 			if len(v) > 1 {
 				return checks, rules, "", repeated(p.Idempotency.Header, "")
 			}
 			if len(v) > 0 && v[0] != "" {
+				idemValue = v[0]
 				if idemKey == "" {
 					idemKey = v[0]
 				}
-				idem = &store.Idempotency{Key: store.IdempotencyKey(v[0]), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
 			}
 		}
+		var idem *store.Idempotency
 		var lastKey, lastTag string // rules of a policy often share their client key
 		for i := range p.Rules {
 			r := &p.Rules[i]
@@ -267,13 +276,19 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			if !addr.IsValid() {
 				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
 			}
+			if idemValue != "" && idem == nil {
+				// The record is this policy's (its checks' tags) and this client's: the key is
+				// hashed with the client's address, so clients that send the same key never
+				// share a record, even under a rule that has no client key.
+				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
+			}
 			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
 			}
 			if len(checks) == MaxChecks {
 				return checks, rules, "", "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
 			}
-			checks = append(checks, store.Check{Limit: r.Limit, Cost: r.Cost * hits, Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
 			rules = append(rules, matched{r, p.ID})
 		}
 	}
@@ -287,6 +302,27 @@ func repeated(header, rule string) string {
 		return "header " + header + " is sent more than once; the idempotency key must be one value"
 	}
 	return "header " + header + " is sent more than once; rule " + strconv.Quote(rule) + " keys clients on it and needs one value"
+}
+
+// mulCost is cost times hits, saturated at math.MaxInt64 instead of wrapping: a product that
+// large exceeds every limit, and the store refuses it as one that can never pass.
+func mulCost(cost, hits int64) int64 {
+	if cost <= 0 || hits <= 0 {
+		return max(0, cost) * max(0, hits)
+	}
+	if cost > math.MaxInt64/hits {
+		return math.MaxInt64
+	}
+	return cost * hits
+}
+
+// outranks reports whether refusal a is the one to report rather than b: one that can never pass
+// first, then the longest Retry-After.
+func outranks(a, b *Result) bool {
+	if a.Never != b.Never {
+		return a.Never
+	}
+	return a.RetryAfter > b.RetryAfter
 }
 
 // DecideAll decides several requests as one: every rule that matches any of them is checked, and
@@ -321,6 +357,13 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 	start := time.Now()
 	charged, err := l.decide(ctx, checks, out)
 	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
+	if err != nil && cancelled(ctx, err) {
+		res := l.cancelled(rules)
+		for i := range per {
+			per[i] = res
+		}
+		return per, res
+	}
 	overall := Result{Outcome: Allowed}
 	for i := range reqs {
 		b, e := bounds[i], bounds[i+1]
@@ -334,7 +377,7 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		}
 		switch r := per[i]; {
 		case r.Outcome == Unavailable && overall.Outcome != Unavailable,
-			r.Outcome == Limited && (overall.Outcome == Allowed || overall.Outcome == Limited && r.RetryAfter > overall.RetryAfter):
+			r.Outcome == Limited && (overall.Outcome == Allowed || overall.Outcome == Limited && outranks(&r, &overall)):
 			overall = r
 		case i == 0:
 			overall = r
@@ -365,8 +408,29 @@ func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algori
 		return false, err
 	}
 	charged, err := l.store.Decide(ctx, checks, out)
+	if err != nil && cancelled(ctx, err) {
+		l.breaker.abandon()
+		return charged, err
+	}
 	l.breaker.done(err)
 	return charged, err
+}
+
+// cancelled reports whether a decision failed because its caller cancelled ctx (the client
+// left), rather than because the store failed: the store's own deadline, or any deadline, is
+// DeadlineExceeded and still a failure.
+func cancelled(ctx context.Context, err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(ctx.Err(), context.Canceled)
+}
+
+// cancelled is the result of a decision whose client left before the store answered. It is
+// neither a success nor a failure: it is counted (sluice_decisions_cancelled_total) and nothing
+// else, neither as a store error nor as a rule's decision, and the breaker does not see it. It
+// refuses (Unavailable, naming the first rule): nobody reads the answer, and a request whose
+// client left is not to be forwarded undecided.
+func (l *Limiter) cancelled(rules []matched) Result {
+	l.metrics.cancelled.Inc()
+	return Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: rules[0].rule, Policy: rules[0].policy}
 }
 
 // failureModes decides when the store cannot: fail-open rules let the request through, and any
@@ -412,8 +476,8 @@ func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.
 			continue
 		case !d.Allowed:
 			l.metrics.decision(m.policy, m.rule.Name, resultLimited)
-			if res.Outcome != Limited || d.RetryAfter > res.RetryAfter {
-				res = Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.policy, Decision: d}
+			if r := (Result{Outcome: Limited, RetryAfter: d.RetryAfter, Never: d.Never, Rule: m.rule, Policy: m.policy, Decision: d}); res.Outcome != Limited || outranks(&r, &res) {
+				res = r
 			}
 			if cache {
 				l.refusals.put(&checks[i], d, l.now())

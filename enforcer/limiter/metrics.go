@@ -30,6 +30,7 @@ type Metrics struct {
 	storeLatency prometheus.Histogram
 	storeErrors  *prometheus.CounterVec
 	cacheHits    prometheus.Counter
+	cancelled    prometheus.Counter
 	breakerOpen  prometheus.Gauge
 	policyInfo   *prometheus.GaugeVec
 }
@@ -54,6 +55,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "sluice_refusal_cache_hits_total",
 			Help: "Requests refused from the local refusal cache without asking the store.",
 		}),
+		cancelled: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "sluice_decisions_cancelled_total",
+			Help: "Decisions whose client left (its context cancelled) before the store answered: neither a store error nor a rule's decision, and never counted by the breaker.",
+		}),
 		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "sluice_store_breaker_open",
 			Help: "1 while the store circuit breaker is open or probing, 0 while closed.",
@@ -64,7 +69,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"policy"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.breakerOpen, m.policyInfo)
+		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.cancelled, m.breakerOpen, m.policyInfo)
 	}
 	for _, cause := range []string{causeUnavailable, causeFault} {
 		m.storeErrors.WithLabelValues(cause)

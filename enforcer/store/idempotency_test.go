@@ -21,7 +21,7 @@ func idemCheck(t *testing.T, target, client string, limit int64, key string, fre
 	c := store.Check{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: limit, Period: time.Hour},
 		Cost: 1, Enforce: true, Rule: "r", Tag: uniqueTag(t, target, client)}
 	if key != "" {
-		c.Idempotency = &store.Idempotency{Key: store.IdempotencyKey(key), Window: 10 * time.Minute, MaxRepeats: free}
+		c.Idempotency = &store.Idempotency{Key: store.IdempotencyKey(key, client), Window: 10 * time.Minute, MaxRepeats: free}
 	}
 	return c
 }
@@ -169,7 +169,7 @@ func TestClusterWhenAnotherTagRefusesThenTheRecordIsRefundedWithTheCharge(t *tes
 	s := newRedis(t, store.RedisOptions{Mode: store.Cluster, Addrs: cluster.Addrs()}, nil)
 	a := idemCheck(t, "cluster", "tenant", 5, "req-9", 3)
 	b := idemCheck(t, "cluster", "user", 1, "req-9", 3)
-	b.Idempotency = &store.Idempotency{Key: store.IdempotencyKey("req-9"), Window: 10 * time.Minute, MaxRepeats: 3}
+	b.Idempotency = &store.Idempotency{Key: store.IdempotencyKey("req-9", "client"), Window: 10 * time.Minute, MaxRepeats: 3}
 	decideOnce(t, s, idemCheck(t, "cluster", "user", 1, "", 3)) // the user's limit is used up
 	out := make([]algorithm.Decision, 2)
 	for attempt := range 3 {
@@ -197,5 +197,42 @@ func TestMemoryWhenEveryRequestBringsANewKeyThenRecordsStayBounded(t *testing.T)
 	}
 	if n := s.Len(); n > 2*640 {
 		t.Errorf("%d keys held after 20,000 requests with new keys, want at most 640 counters and 640 records", n)
+	}
+}
+
+// A record belongs to one policy: a repeat passes free only the checks that name it, and every
+// other check of the request (another policy's, which never enabled idempotency) is decided and
+// charged as usual, on every store.
+func TestStoresWhenARepeatMatchesRulesOfAnotherPolicyThenOnlyItsRecordsRulesPassFree(t *testing.T) {
+	for _, tg := range targets() {
+		t.Run(tg.name, func(t *testing.T) {
+			s := tg.make(t, nil)
+			fw := algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 5, Period: time.Hour}
+			checks := []store.Check{
+				{Limit: fw, Cost: 1, Enforce: true, Rule: "a", Tag: uniqueTag(t, tg.name, "with"),
+					Idempotency: &store.Idempotency{Key: store.IdempotencyKey("order-1", "alice"), Window: time.Minute, MaxRepeats: 3}},
+				{Limit: fw, Cost: 1, Enforce: true, Rule: "b", Tag: uniqueTag(t, tg.name, "without")},
+			}
+			for i, want := range [][2]int64{{4, 4}, {4, 3}, {4, 2}} {
+				out := make([]algorithm.Decision, 2)
+				charged, err := s.Decide(context.Background(), checks, out)
+				if err != nil || !charged || !out[0].Allowed || !out[1].Allowed {
+					t.Fatalf("request %d: %v %+v %v", i, charged, out, err)
+				}
+				if got := [2]int64{out[0].Remaining, out[1].Remaining}; got != want {
+					t.Errorf("request %d: remaining %v, want %v: the repeat passes the idempotent policy's rule free, and the other policy's is charged", i, got, want)
+				}
+			}
+			// The other policy refuses: the repeat is refused, and its record keeps its count.
+			checks[1].Cost = 3
+			out := make([]algorithm.Decision, 2)
+			if charged, err := s.Decide(context.Background(), checks, out); err != nil || charged || out[1].Allowed || !out[0].Allowed {
+				t.Fatalf("over the other limit: %v %+v %v", charged, out, err)
+			}
+			checks[1].Cost = 1
+			if charged, err := s.Decide(context.Background(), checks, out); err != nil || !charged || out[0].Remaining != 4 || out[1].Remaining != 1 {
+				t.Errorf("the third repeat: %v %+v %v, want free on a and charged on b", charged, out, err)
+			}
+		})
 	}
 }

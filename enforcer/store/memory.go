@@ -12,11 +12,27 @@ import (
 
 const memoryShards = 64
 
+// DefaultMemoryMaxBytes is MemoryOptions.MaxBytes's default, 128 MiB: with Go's default GC, a
+// heap of live state twice that stays within the 512Mi the rendered enforcer is allowed.
+const DefaultMemoryMaxBytes = 128 << 20
+
+// entryBytes and recordBytes are what a key costs beyond its names and its sliding log: its
+// entry (or record) allocation, its map slot with the map's spare room, and the client tag's
+// string; measured by TestMemoryWhenKeysAreHeldThenTheirCountedBytesCoverTheHeap.
+const (
+	entryBytes  = 240
+	recordBytes = 120
+)
+
 // MemoryOptions configure a Memory store.
 type MemoryOptions struct {
 	// MaxKeys bounds the number of keys held. When a shard is full, a new key evicts, among a
 	// sample of keys, the one closest to idle. Default 1,000,000.
 	MaxKeys int
+	// MaxBytes bounds the bytes the store's state takes, as it counts them: each key's entry
+	// and map slot, its names, its sliding log's entries, and each idempotency record. A shard
+	// over its share evicts as a full one does. Default DefaultMemoryMaxBytes.
+	MaxBytes int64
 	// Now is the clock. Default time.Now.
 	Now func() time.Time
 	// SweepInterval is how often idle keys are removed. Default one second; negative disables
@@ -32,8 +48,10 @@ type Memory struct {
 	seed     maphash.Seed
 	now      func() time.Time
 	perShard int
-	stop     chan struct{}
-	done     chan struct{}
+	// shardBytes is each shard's share of MaxBytes.
+	shardBytes int64
+	stop       chan struct{}
+	done       chan struct{}
 }
 
 type shard struct {
@@ -41,7 +59,9 @@ type shard struct {
 	m  map[memoryKey]*memoryEntry
 	// records are the idempotency records of the shard's clients, bounded like m.
 	records map[memoryKey]*idemRecord
-	_       [32]byte // keep shards on separate cache lines
+	// bytes is what m and records hold, as entryBytes, recordBytes and the names count it.
+	bytes int64
+	_     [24]byte // keep shards on separate cache lines
 }
 
 // idemRecord is what decide.lua keeps in a request's record: the repeats seen of an admitted
@@ -58,12 +78,47 @@ type memoryEntry struct {
 	// idleAt is when the state is back to idle, in microseconds: from then on, dropping the
 	// entry changes no decision.
 	idleAt float64
+	// buf is the whole array st.Log lies in, which the entry's size counts: entries that left
+	// the window still take room before st.Log until keep compacts them away.
+	buf []algorithm.LogEntry
+}
+
+// size is the bytes the entry holds under key k.
+func (e *memoryEntry) size(k memoryKey) int64 {
+	return entryBytes + int64(len(k.tag)+len(k.rule)) + int64(cap(e.buf))*algorithm.LogEntrySize
+}
+
+// keep stores a charged state. A sliding log's array is the entry's own once stored: it is
+// compacted when the entries that left the window outnumber those in it, and reallocated
+// smaller when mostly empty, so an entry holds O(entries in the window), at amortized O(1).
+func (e *memoryEntry) keep(st algorithm.State, idleAt float64) {
+	log := st.Log
+	switch {
+	case cap(log) == 0:
+		e.buf = nil
+	case cap(e.buf) > 0 && &e.buf[:cap(e.buf)][cap(e.buf)-1] == &log[:cap(log)][cap(log)-1]:
+		// The same array, len(log) entries at offset cap(e.buf)-cap(log).
+		if cap(e.buf)-cap(log) > len(log) {
+			log = e.buf[:copy(e.buf, log)]
+		}
+	default:
+		e.buf = log[:cap(log)] // a new array: append outgrew the old one
+	}
+	if cap(e.buf) > 4*len(log)+16 {
+		log = append(make([]algorithm.LogEntry, 0, 2*len(log)+4), log...)
+		e.buf = log[:cap(log)]
+	}
+	st.Log = log
+	e.st, e.idleAt = st, idleAt
 }
 
 // NewMemory returns a memory store. Close stops its background sweep.
 func NewMemory(opts MemoryOptions) *Memory {
 	if opts.MaxKeys <= 0 {
 		opts.MaxKeys = 1_000_000
+	}
+	if opts.MaxBytes <= 0 {
+		opts.MaxBytes = DefaultMemoryMaxBytes
 	}
 	if opts.Now == nil {
 		opts.Now = time.Now
@@ -72,11 +127,12 @@ func NewMemory(opts MemoryOptions) *Memory {
 		opts.SweepInterval = time.Second
 	}
 	s := &Memory{
-		seed:     maphash.MakeSeed(),
-		now:      opts.Now,
-		perShard: max(1, opts.MaxKeys/memoryShards),
-		stop:     make(chan struct{}),
-		done:     make(chan struct{}),
+		seed:       maphash.MakeSeed(),
+		now:        opts.Now,
+		perShard:   max(1, opts.MaxKeys/memoryShards),
+		shardBytes: max(1, opts.MaxBytes/memoryShards),
+		stop:       make(chan struct{}),
+		done:       make(chan struct{}),
 	}
 	for i := range s.shards {
 		s.shards[i].m = make(map[memoryKey]*memoryEntry)
@@ -140,81 +196,126 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		states = make([]algorithm.State, 0, len(checks))
 	}
 	now := algorithm.Micros(s.now())
-	// The idempotency record, under the first check that names one, as decide.lua keeps it.
-	var rsh *shard
-	var rkey memoryKey
-	var rec *idemRecord
-	var idem *Idempotency
-	for i := range checks {
-		if c := &checks[i]; c.Idempotency != nil {
-			idem, rsh, rkey = c.Idempotency, &s.shards[idx[i]], memoryKey{c.Tag, c.Idempotency.Key}
-			if rec = rsh.records[rkey]; rec != nil && rec.expiresAt <= now {
-				delete(rsh.records, rkey)
-				rec = nil
-			}
-			break
-		}
-	}
-	if rec != nil && rec.seen >= 0 && rec.seen < idem.MaxRepeats {
-		// A free repeat of an admitted request: it passes, and nothing is charged.
-		rec.seen++
-		for i := range checks {
-			c := &checks[i]
-			_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
-			out[i].Allowed, out[i].Wait = true, 0
-		}
-		return true, nil
+	// The idempotency records the checks name, as decide.lua keeps them: recOf[i] is check i's
+	// (1-based; 0 for none).
+	var recBuf [2]memoryRecord
+	recs := recBuf[:0]
+	var recOfBuf [commonChecks]int
+	recOf := recOfBuf[:]
+	if len(checks) > commonChecks {
+		recOf = make([]int, len(checks))
 	}
 	for i := range checks {
 		c := &checks[i]
-		st, d := c.Limit.Take(s.shards[idx[i]].state(c), now, c.Cost)
+		recOf[i] = 0
+		if c.Idempotency == nil {
+			continue
+		}
+		k := memoryKey{c.Tag, c.Idempotency.Key}
+		for j := range recs {
+			if recs[j].key == k {
+				recOf[i] = j + 1
+			}
+		}
+		if recOf[i] == 0 {
+			r := memoryRecord{sh: &s.shards[idx[i]], key: k, idem: c.Idempotency}
+			if r.rec = r.sh.records[k]; r.rec != nil && r.rec.expiresAt <= now {
+				r.sh.bytes -= r.rec.size(k)
+				delete(r.sh.records, k)
+				r.rec = nil
+			}
+			recs = append(recs, r)
+			recOf[i] = len(recs)
+		}
+	}
+	var freeBuf [commonChecks]bool
+	free := freeBuf[:]
+	if len(checks) > commonChecks {
+		free = make([]bool, len(checks))
+	}
+	for i := range checks {
+		c := &checks[i]
+		st := s.shards[idx[i]].state(c)
+		if j := recOf[i]; j > 0 && recs[j-1].free() {
+			// A free repeat of an admitted request, for this check's policy: it passes uncharged.
+			free[i] = true
+			_, out[i] = c.Limit.Take(st, now, 0)
+			out[i].Allowed, out[i].Wait = true, 0
+			states = append(states, st)
+			continue
+		}
+		free[i] = false
+		st, d := c.Limit.Take(st, now, c.Cost)
 		states, out[i] = append(states, st), d
 	}
-	refusedRepeat := rec != nil && rec.seen < 0
-	if refusedRepeat && charged(checks, out) {
-		// A repeat of a refused request before its Retry-After, which no limit refuses now:
-		// refused the same way, by the first enforced rule, until the record ends.
-		for i := range checks {
-			if c := &checks[i]; c.Enforce {
-				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
-				out[i].Allowed, out[i].RetryAfter = false, time.Duration(max(1, rec.expiresAt-now))*time.Microsecond
-				break
+	commit := charged(checks, out)
+	for j := range recs {
+		if r := &recs[j]; commit && r.rec != nil && r.rec.seen < 0 {
+			// A repeat of a refused request before its Retry-After, which no limit refuses now:
+			// refused the same way, by the first enforced check of its record, until the
+			// record ends.
+			for i := range checks {
+				if c := &checks[i]; c.Enforce && recOf[i] == j+1 {
+					_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
+					out[i].Allowed, out[i].Wait = false, 0
+					out[i].RetryAfter = time.Duration(max(1, math.Ceil((r.rec.expiresAt-now)/1000))) * time.Millisecond
+					commit = false
+					break
+				}
 			}
 		}
 	}
-	if refusedRepeat || !charged(checks, out) {
+	if !commit {
 		// Nothing is charged, so the rules that would have allowed report their state as it
 		// stays: what a cost-0 check sees.
 		var retry time.Duration
 		for i := range checks {
-			if c := &checks[i]; out[i].Allowed && c.Cost > 0 {
+			if c := &checks[i]; out[i].Allowed && !free[i] && c.Cost > 0 {
 				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
 				out[i].Allowed = true
 			} else if !out[i].Allowed && c.Enforce {
 				retry = max(retry, out[i].RetryAfter)
 			}
 		}
-		if idem != nil && rec == nil {
-			// The first refusal of this request: its repeats are refused until its Retry-After,
-			// in whole milliseconds as Redis keeps the record's TTL.
-			s.makeRecordRoom(rsh, now)
-			ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
-			rsh.records[rkey] = &idemRecord{seen: -1, expiresAt: now + ms*1000}
+		for j := range recs {
+			if r := &recs[j]; r.rec == nil {
+				// The first refusal of this request: its repeats are refused until its
+				// Retry-After, in whole milliseconds as Redis keeps the record's TTL.
+				s.makeRecordRoom(r.sh, now, r.key)
+				ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
+				r.sh.records[r.key] = &idemRecord{seen: -1, expiresAt: now + ms*1000}
+			}
 		}
 		return false, nil
 	}
 	for i := range checks {
-		s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
+		if !free[i] {
+			s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
+		}
 	}
-	if idem != nil {
-		if rec != nil {
-			rec.seen++ // a charged repeat, past the free ones
+	for j := range recs {
+		if r := &recs[j]; r.rec != nil {
+			r.rec.seen++ // a repeat, free or charged
 		} else {
-			s.makeRecordRoom(rsh, now)
-			rsh.records[rkey] = &idemRecord{expiresAt: now + float64(idem.Window.Microseconds())}
+			s.makeRecordRoom(r.sh, now, r.key)
+			r.sh.records[r.key] = &idemRecord{expiresAt: now + float64(r.idem.Window.Microseconds())}
 		}
 	}
 	return true, nil
+}
+
+// memoryRecord is one idempotency record a decision names: where it lives, and what it holds
+// (nil for none).
+type memoryRecord struct {
+	sh   *shard
+	key  memoryKey
+	rec  *idemRecord
+	idem *Idempotency
+}
+
+// free reports whether the record makes the request a free repeat of an admitted one.
+func (r *memoryRecord) free() bool {
+	return r.rec != nil && r.rec.seen >= 0 && r.rec.seen < r.idem.MaxRepeats
 }
 
 // decideOne is Decide for the common single-rule request: one shard, no bookkeeping.
@@ -235,14 +336,28 @@ func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 		return false, nil
 	}
 	if d.Allowed && c.Cost > 0 {
-		if e == nil {
-			e = &memoryEntry{}
-			s.makeRoom(sh, now)
-			sh.m[k] = e
-		}
-		e.st, e.idleAt = st, now+float64(d.Reset.Microseconds())
+		s.put(sh, k, e, st, now+float64(d.Reset.Microseconds()), now)
 	}
 	return true, nil
+}
+
+// put stores a charged state under k, whose entry is e or, if nil, new: it makes room for the
+// bytes the entry grows by, then counts them. The caller holds the shard's lock.
+func (s *Memory) put(sh *shard, k memoryKey, e *memoryEntry, st algorithm.State, idleAt, now float64) {
+	before := int64(0)
+	if e == nil {
+		e = &memoryEntry{}
+		s.makeRoom(sh, now, k, e.size(k)+int64(cap(st.Log))*algorithm.LogEntrySize)
+		sh.m[k] = e
+	} else {
+		before = e.size(k)
+	}
+	e.keep(st, idleAt)
+	grown := e.size(k) - before
+	if before > 0 && grown > 0 {
+		s.makeRoom(sh, now, k, grown)
+	}
+	sh.bytes += grown
 }
 
 func (sh *shard) state(c *Check) algorithm.State {
@@ -258,52 +373,73 @@ func (s *Memory) store(sh *shard, c *Check, st algorithm.State, d algorithm.Deci
 		return // a check, or a shadow rule that would refuse: nothing to charge
 	}
 	k := memoryKey{c.Tag, c.Rule}
-	e := sh.m[k]
-	if e == nil {
-		e = &memoryEntry{}
-		s.makeRoom(sh, now)
-		sh.m[k] = e
-	}
-	e.st = st
-	e.idleAt = now + float64(d.Reset.Microseconds())
+	s.put(sh, k, sh.m[k], st, now+float64(d.Reset.Microseconds()), now)
 }
 
 // evictionSample is how many entries a full shard looks at to choose the one to evict.
 const evictionSample = 8
 
-// makeRoom keeps a shard's counters within its bound before an insert: see evict.
-func (s *Memory) makeRoom(sh *shard, now float64) {
-	evict(sh.m, s.perShard, now, func(e *memoryEntry) float64 { return e.idleAt })
-}
-
-// makeRecordRoom keeps a shard's idempotency records within the same bound: see evict.
-func (s *Memory) makeRecordRoom(sh *shard, now float64) {
-	evict(sh.records, s.perShard, now, func(r *idemRecord) float64 { return r.expiresAt })
-}
-
-// evict makes room in a full map before an insert: it drops the entries that are over (their
-// end has come) among a sample and, if none is, the sampled entry closest to its end. Evicting a
-// live entry forgets some usage of one client; the bound is what keeps a flood of random keys
-// from exhausting memory.
-func evict[V any](m map[memoryKey]V, bound int, now float64, end func(V) float64) {
-	if len(m) < bound {
-		return
+// makeRoom keeps a shard within its bounds before it grows by need bytes, a new key's or a
+// growing sliding log's: see evict. The key being written, keep, is never the one evicted.
+func (s *Memory) makeRoom(sh *shard, now float64, keep memoryKey, need int64) {
+	_, isNew := sh.m[keep]
+	isNew = !isNew
+	for len(sh.m) > 0 && (isNew && len(sh.m) >= s.perShard || sh.bytes+need > s.shardBytes) {
+		if !evict(sh, sh.m, keep, now, func(e *memoryEntry) float64 { return e.idleAt }, (*memoryEntry).size) {
+			break
+		}
 	}
+	for len(sh.records) > 0 && sh.bytes+need > s.shardBytes {
+		evict(sh, sh.records, memoryKey{}, now, func(r *idemRecord) float64 { return r.expiresAt }, (*idemRecord).size)
+	}
+}
+
+// makeRecordRoom keeps a shard's idempotency records within the same bounds before an insert.
+func (s *Memory) makeRecordRoom(sh *shard, now float64, k memoryKey) {
+	need := recordBytes + int64(len(k.tag)+len(k.rule))
+	for len(sh.records) > 0 && (len(sh.records) >= s.perShard || sh.bytes+need > s.shardBytes) {
+		evict(sh, sh.records, memoryKey{}, now, func(r *idemRecord) float64 { return r.expiresAt }, (*idemRecord).size)
+	}
+	for len(sh.m) > 0 && sh.bytes+need > s.shardBytes {
+		if !evict(sh, sh.m, memoryKey{}, now, func(e *memoryEntry) float64 { return e.idleAt }, (*memoryEntry).size) {
+			break
+		}
+	}
+	sh.bytes += need
+}
+
+func (r *idemRecord) size(k memoryKey) int64 { return recordBytes + int64(len(k.tag)+len(k.rule)) }
+
+// evict drops, among a sample of a full map's entries other than keep, those that are over
+// (their end has come) or, if none is, the one closest to its end, and takes their bytes off
+// the shard's count. It reports whether it dropped any. Evicting a live entry forgets some usage
+// of one client; the bounds are what keep a flood of random keys, or of large sliding logs,
+// from exhausting memory.
+func evict[V any](sh *shard, m map[memoryKey]V, keep memoryKey, now float64, end func(V) float64, size func(V, memoryKey) int64) bool {
 	var victim memoryKey
-	victimEnd, seen := 0.0, 0
+	var victimV V
+	victimEnd, seen, dropped := 0.0, 0, false
 	for k, v := range m {
+		if k == keep {
+			continue
+		}
 		if e := end(v); e <= now {
+			sh.bytes -= size(v, k)
 			delete(m, k)
+			dropped = true
 		} else if seen == 0 || e < victimEnd {
-			victim, victimEnd = k, e
+			victim, victimV, victimEnd = k, v, e
 		}
 		if seen++; seen >= evictionSample {
 			break
 		}
 	}
-	if len(m) >= bound {
+	if !dropped && seen > 0 {
+		sh.bytes -= size(victimV, victim)
 		delete(m, victim)
+		dropped = true
 	}
+	return dropped
 }
 
 // Sweep removes every entry whose state is back to idle.
@@ -314,16 +450,29 @@ func (s *Memory) Sweep() {
 		sh.mu.Lock()
 		for k, e := range sh.m {
 			if e.idleAt <= now {
+				sh.bytes -= e.size(k)
 				delete(sh.m, k)
 			}
 		}
 		for k, r := range sh.records {
 			if r.expiresAt <= now {
+				sh.bytes -= r.size(k)
 				delete(sh.records, k)
 			}
 		}
 		sh.mu.Unlock()
 	}
+}
+
+// Bytes is the bytes held, as MaxBytes counts them.
+func (s *Memory) Bytes() int64 {
+	n := int64(0)
+	for i := range s.shards {
+		s.shards[i].mu.Lock()
+		n += s.shards[i].bytes
+		s.shards[i].mu.Unlock()
+	}
+	return n
 }
 
 // Len is the number of keys held: counters and idempotency records.

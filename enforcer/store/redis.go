@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -173,11 +174,11 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 
 	if !s.cluster {
 		// One server holds every key: one script decides them all.
-		ok, _, err := s.run(ctx, checks, indexes(len(checks)), id, out)
+		ok, _, err := s.run(ctx, checks, indexes(len(checks)), id, out, nil)
 		return ok, err
 	}
 	ok, err := s.decideCluster(ctx, checks, id, out)
-	if err != nil && !errors.Is(err, ErrFault) {
+	if err != nil && !errors.Is(err, ErrFault) && !errors.Is(err, context.Canceled) {
 		// A master that died cannot answer MOVED, and go-redis otherwise reloads the slot map
 		// only once a minute: ask it to reload now, so decisions follow a promoted replica as
 		// soon as the cluster has one. Reloads run in the background, one at a time.
@@ -190,17 +191,18 @@ func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Deci
 func (s *Redis) decideCluster(ctx context.Context, checks []Check, id string, out []algorithm.Decision) (bool, error) {
 	groups := s.groups(checks)
 	if len(groups) == 1 {
-		ok, _, err := s.run(ctx, checks, groups[0], id, out)
+		ok, _, err := s.run(ctx, checks, groups[0], id, out, nil)
 		return ok, err
 	}
 	// Cluster, several tags: each group is decided by its own script; any refusal refunds the
-	// groups that charged.
+	// groups that charged, less their free repeats.
 	all := true
 	chargedAt := make([]int64, len(groups))
+	free := make([]bool, len(checks))
 	for gi, g := range groups {
-		ok, at, err := s.run(ctx, checks, g, id, out)
+		ok, at, err := s.run(ctx, checks, g, id, out, free)
 		if err != nil {
-			s.refund(ctx, checks, groups[:gi], chargedAt[:gi], id, out)
+			s.refund(ctx, checks, groups[:gi], chargedAt[:gi], id, out, free)
 			return false, err
 		}
 		chargedAt[gi] = at
@@ -210,7 +212,7 @@ func (s *Redis) decideCluster(ctx context.Context, checks []Check, id string, ou
 		}
 	}
 	if !all {
-		s.refund(ctx, checks, groups, chargedAt[:len(groups)], id, out)
+		s.refund(ctx, checks, groups, chargedAt[:len(groups)], id, out, free)
 	}
 	return all, nil
 }
@@ -254,22 +256,17 @@ func (s *Redis) groups(checks []Check) [][]int {
 }
 
 // run decides one group with one script call. It returns whether the group charged and the
-// time it decided at, in microseconds.
-func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string, out []algorithm.Decision) (bool, int64, error) {
+// time it decided at, in microseconds; free, when not nil, receives which checks passed as free
+// repeats, uncharged.
+func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string, out []algorithm.Decision, free []bool) (bool, int64, error) {
 	keys := make([]string, len(group), len(group)+1)
-	args := make([]any, 3, 3+7*len(group))
+	args := make([]any, 3, 3+8*len(group))
 	args[0], args[1], args[2] = "", id, ""
 	if s.clock != nil {
 		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
 	}
-	var record string
-	for _, ci := range group {
-		if c := &checks[ci]; c.Idempotency != nil {
-			record = c.recordKey()
-			args[2] = strconv.FormatInt(c.Idempotency.Window.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Idempotency.MaxRepeats, 10)
-			break
-		}
-	}
+	var records []string // the records' keys, KEYS[n+1...]
+	var specs string     // their windows and free repeats, ARGV[3]
 	for i, ci := range group {
 		c := &checks[ci]
 		keys[i] = c.Key()
@@ -277,12 +274,28 @@ func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string,
 		if c.Enforce {
 			enforce = "1"
 		}
+		record := 0
+		if c.Idempotency != nil {
+			rk := c.recordKey()
+			for j, k := range records {
+				if k == rk {
+					record = j + 1
+				}
+			}
+			if record == 0 {
+				records = append(records, rk)
+				record = len(records)
+				if specs != "" {
+					specs += " "
+				}
+				specs += strconv.FormatInt(c.Idempotency.Window.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Idempotency.MaxRepeats, 10)
+			}
+		}
 		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
-			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce)
+			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record)
 	}
-	if record != "" {
-		keys = append(keys, record)
-	}
+	keys = append(keys, records...)
+	args[2] = specs
 	var reply any
 	var err error
 	if s.batch != nil {
@@ -296,7 +309,7 @@ func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string,
 		}
 		return false, 0, fmt.Errorf("run the decide script: %w", err)
 	}
-	return decodeDecisions(reply, checks, group, out)
+	return decodeDecisions(reply, checks, group, out, free)
 }
 
 // scriptFault reports whether Redis ran the script and the script failed: a runtime error
@@ -312,10 +325,11 @@ func scriptFault(err error) bool {
 }
 
 // decodeDecisions reads the decide script's reply: {committed, now_us, then per rule allowed,
-// remaining, reset_us, retry_us, wait_us}. committed is 1 when the group was charged, 2 when it
-// passed as a free repeat (nothing charged, so nothing to refund: the time returned is 0), 0
-// when refused. Anything else is ErrUnexpectedReply, never a panic.
-func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Decision) (bool, int64, error) {
+// remaining, reset_us, retry_us, wait_us}. committed is 1 when the group was charged, 2 when
+// every rule passed as a free repeat (nothing charged, but the records counted the repeat, which
+// a refund takes back), 0 when refused; a rule's allowed is 2 when it passed as a free repeat, which free, when
+// not nil, receives. Anything else is ErrUnexpectedReply, never a panic.
+func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Decision, free []bool) (bool, int64, error) {
 	vals, ok := reply.([]any)
 	if !ok || len(vals) != 2+5*len(group) {
 		return false, 0, fmt.Errorf("%w: %T of %d values for %d rules", ErrUnexpectedReply, reply, len(vals), len(group))
@@ -331,48 +345,56 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 	for i, ci := range group {
 		r := ints[2+5*i:]
 		out[ci] = algorithm.Decision{
-			Allowed:    r[0] == 1,
-			Limit:      checks[ci].Limit.Limit,
-			Remaining:  r[1],
-			Reset:      time.Duration(r[2]) * time.Microsecond,
-			RetryAfter: time.Duration(r[3]) * time.Microsecond,
-			Wait:       time.Duration(r[4]) * time.Microsecond,
+			Allowed:   r[0] == 1 || r[0] == 2,
+			Limit:     checks[ci].Limit.Limit,
+			Remaining: r[1],
+			Reset:     time.Duration(r[2]) * time.Microsecond,
+			Wait:      time.Duration(r[4]) * time.Microsecond,
+		}
+		if free != nil {
+			free[ci] = r[0] == 2
+		}
+		if r[3] == retryNever {
+			out[ci].Never = true
+		} else {
+			out[ci].RetryAfter = time.Duration(r[3]) * time.Microsecond
 		}
 	}
-	switch ints[0] {
-	case 1:
+	if ints[0] == 1 || ints[0] == 2 {
 		return true, ints[1], nil
-	case 2:
-		return true, 0, nil
 	}
 	return false, ints[1], nil
 }
 
-// refund gives back what the groups with a non-zero charge time charged. Best effort: an error
-// leaves the charge, which expires with its key.
-func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, chargedAt []int64, id string, out []algorithm.Decision) {
+// retryNever is the decide script's retry_us for a rule the request can never pass.
+const retryNever = -1
+
+// refund gives back what the groups with a non-zero charge time charged, and the counts of
+// the records they wrote. Best effort: an error leaves the charge, which expires with its key.
+func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, chargedAt []int64, id string, out []algorithm.Decision, free []bool) {
 	for gi, g := range groups {
 		if chargedAt[gi] == 0 {
 			continue
 		}
 		keys := make([]string, 0, len(g)+1)
 		args := []any{chargedAt[gi], id, ""}
-		var record string
-		for _, ci := range g {
-			if c := &checks[ci]; c.Idempotency != nil && record == "" {
-				record = c.recordKey()
-			}
-		}
 		for _, ci := range g {
 			c := &checks[ci]
-			if c.Cost == 0 || !out[ci].Allowed {
-				continue // not charged: a check or a refusing shadow rule
+			if c.Cost == 0 || !out[ci].Allowed || free[ci] {
+				continue // not charged: a check, a refusing shadow rule, a free repeat
 			}
 			keys = append(keys, c.Key())
 			args = append(args, int(c.Limit.Kind), c.Limit.Rate, c.Limit.Period.Microseconds(), c.Cost)
 		}
-		if record != "" {
-			keys, args[2] = append(keys, record), "1"
+		records := 0
+		for _, ci := range g {
+			if c := &checks[ci]; c.Idempotency != nil && !slices.Contains(keys[len(keys)-records:], c.recordKey()) {
+				keys = append(keys, c.recordKey())
+				records++
+			}
+		}
+		if records > 0 {
+			args[2] = strconv.Itoa(records)
 		}
 		if len(keys) > 0 {
 			_ = refundScript.Run(ctx, s.client, keys, args...).Err()

@@ -30,32 +30,36 @@ type Check struct {
 	Tag string
 	// Rule names the rule's state (policy.RuleID).
 	Rule string
-	// Idempotency, when set, makes the decision of this check's group (all checks on a standalone
-	// Redis or in memory, those of its tag on a Cluster) recognize repeats of one request.
+	// Idempotency, when set, is the record of this check's policy and client: a repeat of a
+	// request that record admitted passes this check without a charge. Checks that name the same
+	// record (the same Tag and Idempotency.Key) share it; checks without one are decided and
+	// charged as usual, whatever the records of the others say.
 	Idempotency *Idempotency
 }
 
 // Idempotency identifies a request by the key its client sent, for the decision to recognize
 // its repeats: the first is decided and charged as any request; a repeat within Window of an
-// admitted one passes without a charge, MaxRepeats times, and is charged like a new request
-// after that; a repeat of a refused one is refused the same way until the first refusal's
-// Retry-After. Records are kept per client (the decision's tag), so clients that send the same
-// key never share one.
+// admitted one passes the checks of its record without a charge, MaxRepeats times, and is
+// charged like a new request after that; a repeat of a refused one is refused the same way until
+// the first refusal's Retry-After. A record belongs to one policy (the checks' tag) and one
+// client identity (hashed into Key), so clients that send the same key never share one, even
+// under a rule with no client key.
 type Idempotency struct {
-	// Key is the hashed idempotency key (IdempotencyKey).
+	// Key names the record: IdempotencyKey of the client's key and identity.
 	Key        string
 	Window     time.Duration
 	MaxRepeats int64
 }
 
-// IdempotencyKey hashes a client's idempotency key into the 8 characters of its record's name:
-// the first 48 bits of its SHA-256, base64url. Raw keys never reach the store.
-func IdempotencyKey(key string) string {
-	sum := sha256.Sum256([]byte(key))
+// IdempotencyKey hashes a client's idempotency key and its identity (the client address the
+// limiter decided it is) into the 8 characters of its record's name: the first 48 bits of their
+// SHA-256, base64url. Raw keys never reach the store.
+func IdempotencyKey(key, identity string) string {
+	sum := sha256.Sum256([]byte(key + "\x00" + identity))
 	return base64.RawURLEncoding.EncodeToString(sum[:6])
 }
 
-// recordKey is the Redis key of the idempotency record of a check's decision: under its tag.
+// recordKey is the Redis key of the idempotency record of a check: under its tag.
 func (c *Check) recordKey() string {
 	return KeyPrefix + "{" + c.Tag + "}i" + c.Idempotency.Key
 }

@@ -577,7 +577,7 @@ func TestDecodeWhenReplyIsUnexpectedThenErrorNotPanic(t *testing.T) {
 	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 5}}}
 	out := make([]algorithm.Decision, 1)
 	for _, reply := range []any{nil, "OK", int64(1), []any{int64(1)}, []any{int64(1), int64(2), "x", int64(0), int64(0), int64(0), int64(0)}, []any{nil, nil, nil, nil, nil, nil, nil}} {
-		if _, _, err := store.DecodeDecisions(reply, checks, []int{0}, out); !errors.Is(err, store.ErrUnexpectedReply) {
+		if _, _, err := store.DecodeDecisions(reply, checks, []int{0}, out, nil); !errors.Is(err, store.ErrUnexpectedReply) {
 			t.Errorf("reply %#v: err = %v, want ErrUnexpectedReply", reply, err)
 		}
 	}

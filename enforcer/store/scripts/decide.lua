@@ -3,19 +3,26 @@
 -- consumes nothing. The arithmetic mirrors enforcer/algorithm operation for operation, so both
 -- stores reach identical decisions.
 --
--- KEYS[i]   the key of rule i; with idempotency, one more key: the request's record
+-- KEYS[i]   the key of rule i, i = 1..n; then KEYS[n+j], j = 1..m: idempotency record j
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
--- ARGV[2]   a request id, unique per request: sliding-log members are id:1..id:cost
--- ARGV[3]   "" or, with idempotency, "<window_ms>:<free repeats>"
--- ARGV[4+7(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0)
+-- ARGV[2]   a request id, unique per request: a sliding log's member for it is id:cost
+-- ARGV[3]   "" or, per record j, "<window_ms>:<free repeats>", separated by spaces
+-- ARGV[4+8(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0),
+--           record (0 for none, else the j of the record of the rule's policy and client)
 --
 -- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us};
 -- committed is 1 when the request was charged, 2 when it passed as a free repeat of an admitted
--- request (nothing charged), 0 when it was refused.
+-- request on every rule (nothing charged), 0 when it was refused. A rule's allowed is 2 when it
+-- passed as a free repeat: its record admitted the request before, so it is not charged. retry_us is -1 for a rule the request can
+-- never pass: its cost exceeds the rule's limit (or is negative). Such a cost is refused before
+-- any other arithmetic, never an error, so it never reaches the failure mode.
 --
--- Idempotency record, under the decision's hash tag, with the window as its TTL: an integer,
--- the repeats seen so far of an admitted request (0 after the first), or -1 for a refused one,
--- whose record lives until the first refusal's Retry-After instead.
+-- Idempotency records, one per policy and client that enabled idempotency (the record's name
+-- hashes the idempotency key with the client's identity, under the rules' hash tag), with the
+-- window as TTL: an integer, the repeats seen so far of an admitted request (0 after the
+-- first), or -1 for a refused one, whose record lives until the first refusal's Retry-After
+-- instead. A free repeat passes only the rules of its record; every other rule of the request is
+-- decided and charged as usual.
 --
 -- State, one key per rule, always with a TTL of the time after which it is idle again. The TTL
 -- only collects garbage: window indexes are stored in the values, so a key that outlives its
@@ -30,9 +37,13 @@
 --                               count, previous count) while both counts are below 2^25; the key
 --                               lives at most two windows, so the index modulo 4 is unambiguous.
 --                               Larger counts: string "W N P". Both are read whatever the limit.
---   sliding log:                sorted set of members id:j scored by admission time
+--   sliding log:                sorted set of one member id:units per admitted request, scored by
+--                               its admission time, and the member '#' whose score is the units
+--                               held less 2^53 (LOG_BASE): below any admission time, exact, and
+--                               read in O(1). A request of any cost adds one member.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+local W = 8 -- ARGV per rule
 
 local now
 if ARGV[1] ~= '' then
@@ -55,6 +66,11 @@ local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
 local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
 local function us(x) if x <= 0 then return 0 end return ceil(x) end
+-- The sliding log's total member '#' is scored units - LOG_BASE; admission times are at least
+-- LOG_MIN, above every total's score for limits below 2^52.
+local LOG_BASE, LOG_MIN = 9007199254740992, '-4503599627370496'
+local NEVER = -1
+local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
 
 -- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
 -- current count and previous count.
@@ -78,11 +94,11 @@ local function swcWrite(idx, cur, prev)
 end
 local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 
--- evaluate decides rule i for a request of cost units. It returns allowed, remaining, reset_us,
--- retry_us, wait_us and the value to write if the request is charged. It changes nothing, except
--- that a sliding log drops entries that left its window.
-local function evaluate(i, cost)
-  local b = 4 + (i - 1) * 7
+-- decide decides rule i for a request of cost units, 0 <= cost <= limit. It returns allowed,
+-- remaining, reset_us, retry_us, wait_us and the value to write if the request is charged. It
+-- changes nothing, except that a sliding log drops entries that left its window.
+local function decide(i, cost)
+  local b = 4 + (i - 1) * W
   local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   local key = KEYS[i]
@@ -117,7 +133,7 @@ local function evaluate(i, cost)
       end
     end
     local ahead = max(nt, now) - now
-    remaining = max(0, floor((span - ahead) / interval))
+    remaining = min(limit, max(0, floor((span - ahead) / interval)))
     reset = us(ahead)
     if allowed and cost > 0 then write = {struct.pack('<d', nt)} end
 
@@ -174,7 +190,7 @@ local function evaluate(i, cost)
     else
       retry = us(start + period + max(0, period - (limit - cost) * period / cur) - now)
     end
-    remaining = max(0, floor(limit - est))
+    remaining = min(limit, max(0, floor(limit - est)))
     if cur > 0 then
       reset = us(start + 2 * period - now)
     elseif prev > 0 then
@@ -182,19 +198,38 @@ local function evaluate(i, cost)
     end
 
   elseif kind == 4 then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now - period))
-    local n = redis.call('ZCARD', key)
-    allowed = n + cost <= limit
+    local total = redis.call('ZSCORE', key, '#')
+    local n = 0
+    if total then n = tonumber(total) + LOG_BASE end
+    local horizon = fmt(now - period)
+    local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, horizon)
+    if #expired > 0 then
+      for _, m in ipairs(expired) do n = n - units(m) end
+      redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, horizon)
+      redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
+    end
+    allowed = cost <= limit - n
     local newest
     if allowed then
       if cost > 0 then
         n = n + cost
         newest = now
-        write = true
+        write = {n}
       end
     else
-      local e = redis.call('ZRANGE', key, n + cost - limit - 1, n + cost - limit - 1, 'WITHSCORES')
-      retry = us(tonumber(e[2]) + period - now)
+      -- The oldest entries holding n+cost-limit units must leave the window first: at most
+      -- that many entries, each of one unit or more, read in pages.
+      local need, from, at = n + cost - limit, 1, nil
+      while not at do
+        local e = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
+        if #e == 0 then error('sluice: sliding log ' .. key .. ' holds fewer units than its total') end
+        for j = 1, #e, 2 do
+          need = need - units(e[j])
+          if need <= 0 then at = tonumber(e[j + 1]) break end
+        end
+        from = from + 64
+      end
+      retry = us(at + period - now)
     end
     if not newest and n > 0 then
       newest = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
@@ -209,121 +244,111 @@ local function evaluate(i, cost)
   return allowed, remaining, reset, retry, wait, write
 end
 
-local idem_window, idem_free
-if ARGV[3] ~= '' then
-  local w, m = string.match(ARGV[3], '^(%d+):(%d+)$')
-  idem_window, idem_free = tonumber(w), tonumber(m)
-end
-local n = #KEYS
-local record, seen
-if idem_window then
-  record = KEYS[n]
-  n = n - 1
-  seen = tonumber(redis.call('GET', record) or nil)
-end
-
--- report returns the script's reply for decisions made without charging anything: each rule as
--- a cost-0 check sees it, allowed unless refused says otherwise.
-local function report(committed, refused)
-  local out = {committed, now}
-  for i = 1, n do
-    local r = {evaluate(i, 0)}
-    r[1] = not refused[i]
-    r[5] = 0 -- nothing is queued: no wait
-    out[#out + 1] = r[1] and 1 or 0
-    out[#out + 1] = r[2]
-    out[#out + 1] = r[3]
-    out[#out + 1] = r[4]
-    out[#out + 1] = r[5]
+-- evaluate is decide, but a cost the rule can never admit is refused first, as a cost-0 check
+-- sees the rule, with retry_us NEVER.
+local function evaluate(i, cost)
+  local limit = tonumber(ARGV[4 + (i - 1) * W + 1])
+  if cost < 0 or cost > limit then
+    local _, remaining, reset = decide(i, 0)
+    return false, remaining, reset, NEVER, 0, nil
   end
-  return out
+  return decide(i, cost)
 end
 
-if seen and seen >= 0 and seen < idem_free then
-  -- A free repeat of an admitted request: it passes, and nothing is charged.
-  redis.call('SET', record, fmt(seen + 1), 'KEEPTTL')
-  return report(2, {})
+-- The records, and the rules.
+local recs = {}
+for w, f in string.gmatch(ARGV[3], '(%d+):(%d+)') do
+  recs[#recs + 1] = {window = tonumber(w), free = tonumber(f)}
 end
+local n = #KEYS - #recs
+for j, r in ipairs(recs) do
+  r.key = KEYS[n + j]
+  r.seen = tonumber(redis.call('GET', r.key) or nil)
+end
+local function arg(i, f) return ARGV[4 + (i - 1) * W + f] end
+local function enforced(i) return arg(i, 6) == '1' end
+local function rec(i) return recs[tonumber(arg(i, 7))] end
 
-local res = {}
-local commit = true
+local res, free = {}, {}
+local commit, all_free = true, true
 for i = 1, n do
-  local cost = tonumber(ARGV[4 + (i - 1) * 7 + 5])
-  local r = {evaluate(i, cost)}
-  res[i] = r
-  if ARGV[4 + (i - 1) * 7 + 6] == '1' and not r[1] then commit = false end
+  local r = rec(i)
+  if r and r.seen and r.seen >= 0 and r.seen < r.free then
+    -- A free repeat of an admitted request, for this rule's policy: it passes uncharged.
+    free[i] = true
+    res[i] = {evaluate(i, 0)}
+    res[i][1], res[i][5] = true, 0
+  else
+    all_free = false
+    res[i] = {evaluate(i, tonumber(arg(i, 5)))}
+    if enforced(i) and not res[i][1] then commit = false end
+  end
 end
 
-if seen and seen < 0 then
-  -- A repeat of a refused request, before that refusal's Retry-After: refused the same way.
-  -- The limits refuse it already unless they changed; if none does, the first enforced rule
-  -- refuses it until the record ends.
-  local refusing = false
-  for i = 1, n do
-    if ARGV[4 + (i - 1) * 7 + 6] == '1' and not res[i][1] then refusing = true end
-  end
-  if not refusing then
-    for i = 1, n do
-      if ARGV[4 + (i - 1) * 7 + 6] == '1' then
-        local out = report(0, {[i] = true})
-        out[2 + 5 * (i - 1) + 4] = max(1, redis.call('PTTL', record)) * 1000
-        return out
+if commit then
+  -- A repeat of a refused request, before that refusal's Retry-After: refused the same way. The
+  -- limits refuse it already unless they changed; if none does, the first enforced rule of the
+  -- record's policy refuses it until the record ends.
+  for j, r in ipairs(recs) do
+    if r.seen and r.seen < 0 then
+      for i = 1, n do
+        if commit and enforced(i) and tonumber(arg(i, 7)) == j then
+          res[i] = {evaluate(i, 0)}
+          res[i][1], res[i][4], res[i][5] = false, max(1, redis.call('PTTL', r.key)) * 1000, 0
+          commit = false
+        end
       end
     end
   end
-  commit = false
 end
 
-local out = {commit and 1 or 0, now}
+local out = {commit and (all_free and 2 or 1) or 0, now}
 local retry_max = 0
 for i = 1, n do
   local r = res[i]
-  local cost = tonumber(ARGV[4 + (i - 1) * 7 + 5])
-  if not commit and r[1] and cost > 0 then
+  local cost = tonumber(arg(i, 5))
+  if not commit and r[1] and not free[i] and cost > 0 then
     -- Nothing is charged, so a rule that would have allowed reports its state as it stays.
     r = {evaluate(i, 0)}
     r[1] = true
   end
-  if not r[1] and ARGV[4 + (i - 1) * 7 + 6] == '1' then retry_max = max(retry_max, r[4]) end
-  out[#out + 1] = r[1] and 1 or 0
+  if not r[1] and enforced(i) then retry_max = max(retry_max, r[4]) end
+  out[#out + 1] = r[1] and (free[i] and 2 or 1) or 0
   out[#out + 1] = r[2]
   out[#out + 1] = r[3]
   out[#out + 1] = r[4]
   out[#out + 1] = r[5]
 end
 if not commit then
-  if idem_window and not seen then
-    -- The first refusal of this request: its repeats are refused until its Retry-After.
-    redis.call('SET', record, '-1', 'PX', ttl(retry_max))
+  for _, r in ipairs(recs) do
+    if not r.seen then
+      -- The first refusal of this request: its repeats are refused until its Retry-After.
+      redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
+    end
   end
   return out
 end
 
-if idem_window then
-  if seen then
-    redis.call('SET', record, fmt(seen + 1), 'KEEPTTL') -- a charged repeat, past the free ones
+for _, r in ipairs(recs) do
+  if r.seen then
+    redis.call('SET', r.key, fmt(r.seen + 1), 'KEEPTTL') -- a repeat, free or charged
   else
-    redis.call('SET', record, '0', 'PX', idem_window)
+    redis.call('SET', r.key, '0', 'PX', r.window)
   end
 end
 
+local logged = {}
 for i = 1, n do
   local r = res[i]
-  local b = 4 + (i - 1) * 7
-  local kind, cost = tonumber(ARGV[b]), tonumber(ARGV[b + 5])
-  if r[1] and r[6] then
+  local kind, cost = tonumber(arg(i, 0)), tonumber(arg(i, 5))
+  if r[1] and r[6] and not free[i] then
     local key, reset = KEYS[i], r[3]
     if kind == 4 then
-      local score = fmt(now)
-      local args = {}
-      for j = 1, cost do
-        args[#args + 1] = score
-        args[#args + 1] = id .. ':' .. j
-        if #args >= 200 or j == cost then
-          redis.call('ZADD', key, unpack(args))
-          args = {}
-        end
-      end
+      -- A decision that names one rule twice charges it once, the last cost, as the memory
+      -- store's last write wins.
+      if logged[key] then redis.call('ZREM', key, logged[key]) end
+      logged[key] = id .. ':' .. cost
+      redis.call('ZADD', key, fmt(now), logged[key], fmt(r[6][1] - LOG_BASE), '#')
       redis.call('PEXPIRE', key, ttl(reset))
     else
       redis.call('SET', key, r[6][1], 'PX', ttl(reset))

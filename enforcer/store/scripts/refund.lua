@@ -2,10 +2,10 @@
 -- request refused it (Redis Cluster only: keys of different tags live in different slots, so one
 -- script cannot check them all). Keys keep their TTL.
 --
--- KEYS[i]   the key of rule i; with ARGV[3] = "1", one more key: the request's idempotency record
+-- KEYS[i]   the key of rule i; then the ARGV[3] idempotency records the decision wrote
 -- ARGV[1]   the time decide.lua charged at, in microseconds
 -- ARGV[2]   the request id decide.lua was given
--- ARGV[3]   "1" when the decision wrote an idempotency record, "" otherwise
+-- ARGV[3]   how many idempotency records follow the rules' keys ("" for none)
 -- ARGV[4+4(i-1) ...] per rule: kind, rate, period_us, cost
 
 local floor = math.floor
@@ -16,16 +16,16 @@ local function fmt(x) return string.format('%.17g', x) end
 local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
 local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
-local n = #KEYS
-if ARGV[3] == '1' then
+local m = tonumber(ARGV[3]) or 0
+local n = #KEYS - m
+for j = n + 1, #KEYS do
   -- The record said the request was admitted; it was not, in the end. A first record goes; a
   -- repeat's count goes back.
-  n = n - 1
-  local seen = tonumber(redis.call('GET', KEYS[#KEYS]) or nil)
+  local seen = tonumber(redis.call('GET', KEYS[j]) or nil)
   if seen == 0 then
-    redis.call('DEL', KEYS[#KEYS])
+    redis.call('DEL', KEYS[j])
   elseif seen and seen > 0 then
-    redis.call('SET', KEYS[#KEYS], fmt(seen - 1), 'KEEPTTL')
+    redis.call('SET', KEYS[j], fmt(seen - 1), 'KEEPTTL')
   end
 end
 
@@ -75,8 +75,9 @@ for i = 1, n do
       end
     end
   elseif kind == 4 then
-    for j = 1, cost do
-      redis.call('ZREM', key, id .. ':' .. j)
+    -- The request's one member, and its units from the total (decide.lua's layout).
+    if redis.call('ZREM', key, id .. ':' .. cost) == 1 then
+      redis.call('ZINCRBY', key, fmt(-cost), '#')
     end
   end
 end
