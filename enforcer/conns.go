@@ -16,8 +16,8 @@ import (
 
 // Defaults of the connection bounds (Config.MaxConns, MaxConnsPerClient, WriteTimeout).
 const (
-	DefaultMaxConns          = 10_000
-	DefaultMaxConnsPerClient = 2_000
+	DefaultMaxConns          = 4_096
+	DefaultMaxConnsPerClient = 2_048
 	DefaultWriteTimeout      = 30 * time.Second
 )
 

@@ -121,7 +121,15 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	removeHopHeaders(&ctx.Response.Header)
 	// After the upstream's fields, which the response now holds.
 	v.write(ctx.Response.Header.Set)
+	if len(req.Header.RawHeaders()) > maxIdleHeaderBytes {
+		// fasthttp keeps a connection's request buffers at their largest while it idles: a
+		// connection that carried a large header block is closed, not kept holding them.
+		ctx.SetConnectionClose()
+	}
 }
+
+// maxIdleHeaderBytes is the largest header block after which a proxy connection is kept alive.
+const maxIdleHeaderBytes = 8 << 10
 
 // b2s is a string that shares a byte slice's memory, for reading fasthttp's request fields
 // during the request, which owns them: nothing may keep it past the handler.
