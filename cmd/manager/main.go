@@ -36,6 +36,7 @@ import (
 func main() {
 	var (
 		metricsAddr, probeAddr string
+		pprofAddr              string
 		leaderElect            bool
 		defaults               render.Defaults
 		workers                int
@@ -48,6 +49,7 @@ func main() {
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
+	flag.StringVar(&pprofAddr, "pprof-bind-address", "", "Address of the Go profiler's /debug/pprof endpoints; empty disables them.")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "Elect a leader so that only one manager replica reconciles; every replica serves the webhook.")
 	flag.DurationVar(&lease.duration, "leader-elect-lease-duration", 15*time.Second, "How long a replica waits, after the leader last renewed its lease, before it takes over.")
 	flag.DurationVar(&lease.renew, "leader-elect-renew-deadline", 10*time.Second, "How long the leader tries to renew its lease before it gives up leading.")
@@ -85,6 +87,7 @@ func main() {
 		WebhookServer:          server,
 		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
 		HealthProbeBindAddress: probeAddr,
+		PprofBindAddress:       pprofAddr,
 		LeaderElection:         leaderElect,
 		LeaderElectionID:       "manager.ratelimit.sluice.dev",
 		// The lease lives beside the certificate Secret, in the manager's namespace; outside a

@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -237,6 +239,10 @@ func scrapeSum(t testing.TB, addr, prefix string) float64 {
 // manager's CPU time and peak resident memory over the whole run too. Each enforcer process
 // holds about 15 MB: a thousand need about 16 GB.
 //
+// With SLUICE_BENCH_PROFILE=<dir> it writes the manager's CPU profiles of the first 60 s after
+// the first create (rollout.pprof) and of the steady minute (steady.pprof), and its heap at
+// steady state (heap.pprof), into dir.
+//
 //	SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench PoliciesReachReady -benchtime 1x -timeout 60m ./test/e2e/
 func BenchmarkPoliciesReachReady(b *testing.B) {
 	n := 100
@@ -247,7 +253,13 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		ctx := context.Background()
 		c := startCluster(b)
 		logs := &local.Output{}
-		mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:bench")
+		profiles := os.Getenv("SLUICE_BENCH_PROFILE")
+		pprofAddr, _ := local.FreeAddr()
+		args := []string{"--enforcer-image=sluice-enforcer:bench"}
+		if profiles != "" {
+			args = append(args, "--pprof-bind-address="+pprofAddr)
+		}
+		mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, args...)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -257,7 +269,14 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		ns := makeNamespace(b, k8s, "bench-")
 		c.runPods(b, ns, upstream.URL, logs)
 
+		var profiling sync.WaitGroup
+		profile := func(file, path string) {
+			if profiles != "" {
+				profiling.Go(func() { saveProfile(b, filepath.Join(profiles, file), "http://"+pprofAddr+path) })
+			}
+		}
 		start := time.Now()
+		profile("rollout.pprof", "/debug/pprof/profile?seconds=60")
 		populate(b, k8s, ns, n)
 		var programmed, ready time.Duration
 		for programmed == 0 || ready == 0 {
@@ -287,7 +306,10 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		}
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		cpuBefore, _ := mgr.Usage()
+		profile("steady.pprof", "/debug/pprof/profile?seconds=55")
 		writes := countWrites(b, k8s, time.Minute)
+		profile("heap.pprof", "/debug/pprof/heap?gc=1")
+		profiling.Wait()
 		cpuSteady, _ := mgr.Usage()
 		total := 0
 		for _, w := range writes {
@@ -300,5 +322,22 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		b.ReportMetric(cpu.Seconds(), "manager-cpu-s")
 		b.ReportMetric(100*(cpuSteady-cpuBefore).Seconds()/60, "manager-cpu-%-steady")
 		b.ReportMetric(rss/(1<<20), "manager-MiB-peak-RSS")
+	}
+}
+
+// saveProfile writes what url serves to file.
+func saveProfile(t testing.TB, file, url string) {
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	defer func() { _ = resp.Body.Close() }()
+	data, err := io.ReadAll(resp.Body)
+	if err == nil {
+		err = os.WriteFile(file, data, 0o644)
+	}
+	if err != nil {
+		t.Error(err)
 	}
 }
