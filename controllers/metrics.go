@@ -52,6 +52,10 @@ var (
 		Name: "sluice_manager_report_failures_total",
 		Help: "Enforcer reports the manager could not read, by reason (timeout, unreachable, http_status, invalid).",
 	}, []string{"reason"})
+	appliesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "sluice_manager_applies_total",
+		Help: "Server-side apply requests the manager sent for enforcer objects, by kind.",
+	}, []string{"kind"})
 	replicasDesired = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "sluice_policy_replicas_desired",
 		Help: "Enforcer replicas a policy asks for, once its objects are programmed.",
@@ -67,7 +71,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(reconcileErrors, reportFailures, replicasDesired, replicasServing, policyCondition)
+	metrics.Registry.MustRegister(reconcileErrors, reportFailures, appliesTotal, replicasDesired, replicasServing, policyCondition)
 	// Every reason at zero from the start: an alert on increase() sees the first failure.
 	for _, r := range []string{errRead, errRender, errApply, errRejected, errInTheWay, errStatus} {
 		reconcileErrors.WithLabelValues(r)

@@ -3,8 +3,6 @@ package controllers
 import (
 	"context"
 	"errors"
-	"fmt"
-	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -18,22 +16,17 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
-	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
-	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
-	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
@@ -82,6 +75,7 @@ type RateLimitPolicyReconciler struct {
 // memory is the reconciler's state across reconciles, lost on restart.
 type memory struct {
 	history history
+	applied appliedCache
 	// written is when each policy's status was last written.
 	written sync.Map // types.NamespacedName -> time.Time
 }
@@ -102,6 +96,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
 		if apierrors.IsNotFound(err) {
 			r.mem.history.forget(req.NamespacedName)
+			r.mem.applied.forget(req.NamespacedName)
 			r.mem.written.Delete(req.NamespacedName)
 			forgetStatus(req.NamespacedName)
 			return ctrl.Result{}, nil
@@ -298,140 +293,6 @@ func (r *RateLimitPolicyReconciler) olderPolicyOnTarget(ctx context.Context, p *
 		}
 	}
 	return "", nil
-}
-
-// apply writes each object with server-side apply under one field owner, unless the live copy
-// already holds every field of it: an unchanged policy with untouched objects costs no write, and
-// a hand edit of any rendered field, or a deleted object, is put back, with an event that says
-// what. Objects no longer rendered (the managed Redis when storage changes, the
-// PodDisruptionBudget at one replica) are deleted.
-func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
-	logger := log.FromContext(ctx)
-	// A difference is drift, put back with an event, only when the spec is the one already
-	// programmed: after a change of the spec, new and changed objects are simply the change.
-	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
-		p.Status.ObservedGeneration == p.Generation
-	for _, obj := range objs.All() {
-		u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
-		if err != nil {
-			return err
-		}
-		desired := &unstructured.Unstructured{Object: u}
-		unstructured.RemoveNestedField(desired.Object, "status")
-		unstructured.RemoveNestedField(desired.Object, "metadata", "creationTimestamp")
-		unstructured.RemoveNestedField(desired.Object, "spec", "template", "metadata", "creationTimestamp")
-		live := obj.DeepCopyObject().(client.Object)
-		var drift string
-		switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
-		case apierrors.IsNotFound(err):
-			if programmed {
-				drift = "the object was deleted"
-			}
-		case err != nil:
-			return err
-		default:
-			if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
-				if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
-					// A policy deleted and created again: garbage collection is about to remove
-					// the old one's objects, and their deletion brings us back here.
-					return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
-				}
-				return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
-			}
-			liveU, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
-			if err != nil {
-				return err
-			}
-			field, differs := firstDifference(liveU, desired.Object, "")
-			if !differs {
-				continue
-			}
-			if programmed {
-				drift = field[1:] + " differed from the policy"
-			}
-		}
-		if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
-			return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
-		}
-		logger.Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "drift", drift)
-		if drift != "" && r.Recorder != nil {
-			r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
-				"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
-		}
-	}
-	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
-	var unwanted []client.Object
-	if objs.PDB == nil {
-		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
-	}
-	if objs.RedisDeployment == nil {
-		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
-		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
-	}
-	for _, obj := range unwanted {
-		if err := r.deleteOwned(ctx, p, obj); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// stalledRecheck is how often a policy stalled by an object in its way looks again.
-const stalledRecheck = 5 * time.Minute
-
-// notOwnedError says that an object the policy renders exists and belongs to something else.
-// The controller never takes such an object over.
-type notOwnedError struct{ kind, name string }
-
-func (e *notOwnedError) Error() string {
-	return fmt.Sprintf("%s %s exists and is not owned by this policy: delete or rename it, or rename the policy", e.kind, e.name)
-}
-
-// deleteOwned deletes obj if it exists and the policy controls it.
-func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object) error {
-	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
-		return client.IgnoreNotFound(err)
-	}
-	if owner := metav1.GetControllerOf(obj); owner == nil || owner.UID != p.UID {
-		return nil
-	}
-	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
-		return err
-	}
-	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
-	return nil
-}
-
-// firstDifference returns the path of the first field of want that got lacks or holds with
-// another value, and whether there is one. Fields that got has beyond want (defaults the API
-// server set, status) do not count; lists must match item by item.
-func firstDifference(got, want any, path string) (string, bool) {
-	switch w := want.(type) {
-	case map[string]any:
-		g, _ := got.(map[string]any)
-		for _, k := range slices.Sorted(maps.Keys(w)) {
-			if w[k] == nil {
-				continue
-			}
-			if p, differs := firstDifference(g[k], w[k], path+"."+k); differs {
-				return p, true
-			}
-		}
-		return "", false
-	case []any:
-		g, _ := got.([]any)
-		if len(g) != len(w) {
-			return path, true
-		}
-		for i := range w {
-			if p, differs := firstDifference(g[i], w[i], fmt.Sprintf("%s[%d]", path, i)); differs {
-				return p, true
-			}
-		}
-		return "", false
-	default:
-		return path, !equality.Semantic.DeepEqual(got, want)
-	}
 }
 
 // writeStatus writes the status when it changed, and records an event for each condition that
