@@ -332,3 +332,36 @@ func TestReconcileWhenALimitIsRemovedFromTheSpecThenItIsRemovedFromTheDeployment
 		t.Errorf("%d DriftCorrected events after a change of the spec, want none", n)
 	}
 }
+
+// policyName is a DNS subdomain of n characters with dots, such as "policy.v2.policy.v2.po".
+func policyName(n int) string {
+	return strings.Repeat("policy.v2.", n/10+1)[:n-1] + "z"
+}
+
+// Every name the API server admits is programmed and its enforcer found: names of 63 characters
+// (the longest label value), 64, 200 and 253 (the longest name), with dots, all sharing their
+// first 54 characters. Ready comes from the reports of the pods, which the controller finds
+// through their labels and, for the names too long for a label, their annotation.
+func TestReconcileWhenTheNameIsUpTo253CharactersThenItIsProgrammedAndReady(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "names")
+	runEnforcers(t, ns)
+	var policies []*v1alpha1.RateLimitPolicy
+	for i, n := range []int{63, 64, 200, 253} {
+		target := fmt.Sprintf("api-%d", i)
+		targetService(t, ns, target)
+		p := newPolicy(ns, policyName(n), target)
+		p.Spec.Storage, p.Spec.Enforcer.Replicas = nil, ptr.To[int32](1)
+		if err := k8s.Create(ctx, p); err != nil {
+			t.Fatalf("create a policy named with %d characters: %v", n, err)
+		}
+		policies = append(policies, p)
+	}
+	for _, p := range policies {
+		waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+		waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+		if c := condition(t, p, v1alpha1.ConditionReady); !strings.HasPrefix(c.Message, "1/1 replicas serve revision ") {
+			t.Errorf("policy of %d characters: Ready message %q, want its one replica serving", len(p.Name), c.Message)
+		}
+	}
+}

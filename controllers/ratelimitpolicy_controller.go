@@ -206,7 +206,8 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 	var running []*corev1.Pod
 	for i := range pods.Items {
 		pod := &pods.Items[i]
-		if pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+		// A label value cut and hashed may, however unlikely, be another long name's too.
+		if render.PolicyOfPod(pod) != p.Name || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 			continue
 		}
 		running = append(running, pod)
@@ -392,7 +393,7 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Owns(&rbacv1.RoleBinding{}).
 		// A pod that starts, becomes ready or goes away changes what the policy's status says.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
-			name := render.PolicyOfPod(o.GetLabels())
+			name := render.PolicyOfPod(o)
 			if name == "" {
 				return nil
 			}
