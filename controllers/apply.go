@@ -15,6 +15,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -118,6 +119,76 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 		if err := r.deleteOwned(ctx, p, obj); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// programmed is what applying a policy's objects established: enough for status, and the
+// objects to look at to know they are still as they were left.
+type programmed struct {
+	uid                                           types.UID
+	generation                                    int64
+	defaults                                      render.Defaults
+	revision, service, image, storage, deployment string
+	replicas                                      int32
+	objects                                       []objectKey
+}
+
+// remember records what applying objs for p established.
+func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects) *programmed {
+	prog := &programmed{
+		uid: p.UID, generation: p.Generation, defaults: r.Defaults,
+		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
+		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
+	}
+	for _, o := range objs.All() {
+		prog.objects = append(prog.objects, objectKey{kind: o.GetObjectKind().GroupVersionKind().Kind, name: o.GetName()})
+	}
+	r.mem.programmed.Store(client.ObjectKeyFromObject(p), prog)
+	return prog
+}
+
+// current returns what the last full apply of p established if nothing has changed since on
+// either side: the same policy generation and defaults, and every object at the
+// resourceVersion it was left at. Otherwise nil: render and apply.
+func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy) *programmed {
+	key := client.ObjectKeyFromObject(p)
+	v, ok := r.mem.programmed.Load(key)
+	if !ok {
+		return nil
+	}
+	prog := v.(*programmed)
+	if prog.uid != p.UID || prog.generation != p.Generation || prog.defaults != r.Defaults {
+		return nil
+	}
+	for _, o := range prog.objects {
+		live := newObject(o.kind)
+		last, ok := r.mem.applied.get(key, o)
+		if live == nil || !ok || r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: o.name}, live) != nil ||
+			live.GetResourceVersion() != last.resourceVersion {
+			return nil
+		}
+	}
+	return prog
+}
+
+// newObject is an empty object of one of the kinds the controller renders.
+func newObject(kind string) client.Object {
+	switch kind {
+	case "ConfigMap":
+		return &corev1.ConfigMap{}
+	case "ServiceAccount":
+		return &corev1.ServiceAccount{}
+	case "Role":
+		return &rbacv1.Role{}
+	case "RoleBinding":
+		return &rbacv1.RoleBinding{}
+	case "Deployment":
+		return &appsv1.Deployment{}
+	case "Service":
+		return &corev1.Service{}
+	case "PodDisruptionBudget":
+		return &policyv1.PodDisruptionBudget{}
 	}
 	return nil
 }

@@ -46,6 +46,10 @@ const EventDriftCorrected = "DriftCorrected"
 // targetIndex indexes policies by the Service they target.
 const targetIndex = "spec.targetRef.name"
 
+// podPolicyIndex indexes enforcer pods by the name of their policy: finding a policy's pods is a
+// lookup, not a match of every pod of the namespace against a selector.
+const podPolicyIndex = "sluice.policy"
+
 // RateLimitPolicyReconciler reconciles each RateLimitPolicy into its enforcer.
 type RateLimitPolicyReconciler struct {
 	client.Client
@@ -76,6 +80,8 @@ type RateLimitPolicyReconciler struct {
 type memory struct {
 	history history
 	applied appliedCache
+	// programmed is what each policy's last full apply established.
+	programmed sync.Map // types.NamespacedName -> *programmed
 	// written is when each policy's status was last written.
 	written sync.Map // types.NamespacedName -> time.Time
 }
@@ -97,6 +103,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		if apierrors.IsNotFound(err) {
 			r.mem.history.forget(req.NamespacedName)
 			r.mem.applied.forget(req.NamespacedName)
+			r.mem.programmed.Delete(req.NamespacedName)
 			r.mem.written.Delete(req.NamespacedName)
 			forgetStatus(req.NamespacedName)
 			return ctrl.Result{}, nil
@@ -129,32 +136,24 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, nil
 	}
 
-	objs, err := render.Enforcer(p, r.Defaults)
-	if err != nil {
-		return ctrl.Result{}, failed(errRender, err)
-	}
-	if err := r.apply(ctx, p, objs); err != nil {
-		obs.applyErr = err
-		var inTheWay *notOwnedError
-		switch {
-		case errors.As(err, &inTheWay):
-			// Final until someone removes the object, which no event of ours announces: look
-			// again now and then, without the error backoff.
-			obs.stalled = true
-			_ = failed(errInTheWay, err)
-			return ctrl.Result{RequeueAfter: stalledRecheck}, nil
-		case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
-			obs.stalled = true // only a change of the spec, or of the manager, can fix it
-			return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
+	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
+	// nor compares them again.
+	prog := r.current(ctx, p)
+	if prog == nil {
+		objs, err := render.Enforcer(p, r.Defaults)
+		if err != nil {
+			return ctrl.Result{}, failed(errRender, err)
 		}
-		return ctrl.Result{}, failed(errApply, err)
+		if err := r.apply(ctx, p, objs); err != nil {
+			return applyFailed(err, &obs)
+		}
+		prog = r.remember(p, objs)
 	}
-	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
-	obs.image = objs.Deployment.Spec.Template.Spec.Containers[0].Image
-	obs.storage = storageKind(p)
+	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
+	obs.image, obs.storage = prog.image, prog.storage
 
 	dep := &appsv1.Deployment{}
-	if err := r.Get(ctx, client.ObjectKeyFromObject(objs.Deployment), dep); err != nil {
+	if err := r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: prog.deployment}, dep); err != nil {
 		if apierrors.IsNotFound(err) {
 			return ctrl.Result{}, nil
 		}
@@ -182,6 +181,24 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	return ctrl.Result{RequeueAfter: r.reportInterval()}, nil
 }
 
+// applyFailed records why applying failed and how to go on.
+func applyFailed(err error, obs *observation) (ctrl.Result, error) {
+	obs.applyErr = err
+	var inTheWay *notOwnedError
+	switch {
+	case errors.As(err, &inTheWay):
+		// Final until someone removes the object, which no event of ours announces: look
+		// again now and then, without the error backoff.
+		obs.stalled = true
+		_ = failed(errInTheWay, err)
+		return ctrl.Result{RequeueAfter: stalledRecheck}, nil
+	case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
+		obs.stalled = true // only a change of the spec, or of the manager, can fix it
+		return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
+	}
+	return ctrl.Result{}, failed(errApply, err)
+}
+
 func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
 	if r.ReportInterval > 0 {
 		return r.ReportInterval
@@ -196,7 +213,7 @@ const reportTimeout = 2 * time.Second
 // that runs, at once, and records their counters.
 func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) error {
 	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels(render.PodLabels(p))); err != nil {
+	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}); err != nil {
 		return err
 	}
 	fetch := r.FetchReport
@@ -364,6 +381,14 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 	r.mem = &memory{}
 	if err := mgr.GetFieldIndexer().IndexField(ctx, &v1alpha1.RateLimitPolicy{}, targetIndex, func(o client.Object) []string {
 		return []string{o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name}
+	}); err != nil {
+		return err
+	}
+	if err := mgr.GetFieldIndexer().IndexField(ctx, &corev1.Pod{}, podPolicyIndex, func(o client.Object) []string {
+		if name := render.PolicyOfPod(o); name != "" {
+			return []string{name}
+		}
+		return nil
 	}); err != nil {
 		return err
 	}

@@ -142,6 +142,9 @@ func (k *Kubelet) loop(ctx context.Context) {
 	}
 }
 
+// podWorkers is how many pods are synced at once.
+const podWorkers = 8
+
 // sync brings every pod one step closer to its spec.
 func (k *Kubelet) sync(ctx context.Context) {
 	var pods corev1.PodList
@@ -150,13 +153,26 @@ func (k *Kubelet) sync(ctx context.Context) {
 		return
 	}
 	seen := map[types.UID]bool{}
-	for i := range pods.Items {
-		pod := &pods.Items[i]
-		seen[pod.UID] = true
-		if err := k.syncPod(ctx, pod); err != nil && ctx.Err() == nil {
-			_, _ = fmt.Fprintf(k.opts.Log, "kubelet: pod %s: %v\n", pod.Name, err)
-		}
+	// Pods are synced by a few workers at once, as the kubelet's pod workers do: one pod's
+	// start, probe or status write does not wait for a thousand others'. A pod is synced by one
+	// worker at a time, and each sync waits for all of them.
+	var wg sync.WaitGroup
+	work := make(chan *corev1.Pod)
+	for range podWorkers {
+		wg.Go(func() {
+			for pod := range work {
+				if err := k.syncPod(ctx, pod); err != nil && ctx.Err() == nil {
+					_, _ = fmt.Fprintf(k.opts.Log, "kubelet: pod %s: %v\n", pod.Name, err)
+				}
+			}
+		})
 	}
+	for i := range pods.Items {
+		seen[pods.Items[i].UID] = true
+		work <- &pods.Items[i]
+	}
+	close(work)
+	wg.Wait()
 	// A pod deleted with no grace (or by a namespace's deletion) is gone already: stop its process.
 	k.mu.Lock()
 	defer k.mu.Unlock()
