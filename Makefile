@@ -95,8 +95,9 @@ test: redis-server ## Run all tests against a real API server, real Redis and re
 		go test -race -count=1 -timeout 30m ./...
 
 .PHONY: bench
-bench: redis-server ## Run the Go benchmarks.
+bench: redis-server ## Run the Go benchmarks, and the thousand-policy tests of the benchmark tier (-tags bench).
 	go test -run '^$$' -bench . -benchmem ./...
+	go test -tags bench -count=1 -run Thousand -timeout 60m ./test/e2e/
 
 ##@ Build
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -45,65 +46,30 @@ import (
 // even compared again: a report-only reconcile costs no apply. A hand edit is put back with an
 // event that says what.
 func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
-	logger := log.FromContext(ctx)
 	// A difference is drift, put back with an event, only when the spec is the one already
 	// programmed: after a change of the spec, new and changed objects are simply the change.
 	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
 		p.Status.ObservedGeneration == p.Generation
-	policyKey := client.ObjectKeyFromObject(p)
+	// Two waves, the objects of each applied at once: first what the enforcer pods need to start
+	// (their ConfigMap, ServiceAccount and its Role, the managed Redis), then the Deployment that
+	// makes them, its Service and its budget. A policy costs two round trips, not nine.
+	var first, second []client.Object
 	for _, obj := range objs.All() {
-		desired, request, err := applyRequest(obj)
-		if err != nil {
+		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) {
+			second = append(second, obj)
+		} else {
+			first = append(first, obj)
+		}
+	}
+	for _, wave := range [][]client.Object{first, second} {
+		errs := make([]error, len(wave))
+		var wg sync.WaitGroup
+		for i, obj := range wave {
+			wg.Go(func() { errs[i] = r.applyOne(ctx, p, obj, programmed) })
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
 			return err
-		}
-		key := objectKey{kind: desired.GetKind(), name: desired.GetName()}
-		last, seen := r.mem.applied.get(policyKey, key)
-		live := obj.DeepCopyObject().(client.Object)
-		var reason string
-		switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
-		case apierrors.IsNotFound(err):
-			reason = "the object was deleted"
-			if !programmed {
-				reason = "the object does not exist"
-			}
-		case err != nil:
-			return err
-		default:
-			if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
-				if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
-					// A policy deleted and created again: garbage collection is about to remove
-					// the old one's objects, and their deletion brings us back here.
-					return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
-				}
-				return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
-			}
-			if seen && last.request == request && last.resourceVersion == live.GetResourceVersion() {
-				continue // nothing changed on either side since the last look
-			}
-			if seen && last.request != request {
-				reason = "the rendered request changed"
-			} else if reason, err = applyReason(desired, live); err != nil {
-				return err
-			}
-			if reason == "" {
-				r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: live.GetResourceVersion()})
-				continue
-			}
-		}
-		if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
-			return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
-		}
-		appliesTotal.WithLabelValues(desired.GetKind()).Inc()
-		// The answer is the object as applied; its resourceVersion is the one the cache will show.
-		r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
-		drift := ""
-		if programmed && (!seen || last.request == request) {
-			drift = reason
-		}
-		logger.Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
-		if drift != "" && r.Recorder != nil {
-			r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
-				"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
 		}
 	}
 	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
@@ -189,6 +155,65 @@ func newObject(kind string) client.Object {
 		return &corev1.Service{}
 	case "PodDisruptionBudget":
 		return &policyv1.PodDisruptionBudget{}
+	}
+	return nil
+}
+
+// applyOne applies obj when applying would change it (see apply).
+func (r *RateLimitPolicyReconciler) applyOne(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object, programmed bool) error {
+	policyKey := client.ObjectKeyFromObject(p)
+	desired, request, err := applyRequest(obj)
+	if err != nil {
+		return err
+	}
+	key := objectKey{kind: desired.GetKind(), name: desired.GetName()}
+	last, seen := r.mem.applied.get(policyKey, key)
+	live := obj.DeepCopyObject().(client.Object)
+	var reason string
+	switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
+	case apierrors.IsNotFound(err):
+		reason = "the object was deleted"
+		if !programmed {
+			reason = "the object does not exist"
+		}
+	case err != nil:
+		return err
+	default:
+		if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+			if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
+				// A policy deleted and created again: garbage collection is about to remove
+				// the old one's objects, and their deletion brings us back here.
+				return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
+			}
+			return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
+		}
+		if seen && last.request == request && last.resourceVersion == live.GetResourceVersion() {
+			return nil // nothing changed on either side since the last look
+		}
+		if seen && last.request != request {
+			reason = "the rendered request changed"
+		} else if reason, err = applyReason(desired, live); err != nil {
+			return err
+		}
+		if reason == "" {
+			r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: live.GetResourceVersion()})
+			return nil
+		}
+	}
+	if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
+		return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
+	}
+	appliesTotal.WithLabelValues(desired.GetKind()).Inc()
+	// The answer is the object as applied; its resourceVersion is the one the cache will show.
+	r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
+	drift := ""
+	if programmed && (!seen || last.request == request) {
+		drift = reason
+	}
+	log.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
+	if drift != "" && r.Recorder != nil {
+		r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
+			"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
 	}
 	return nil
 }

@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/clock"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
@@ -174,11 +175,12 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if !reported {
 		var probed bool
 		if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
-			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval())}, nil
+			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval()), Priority: ptr.To(handler.LowPriority)}, nil
 		}
 	}
-	// Replicas report what no event announces: read them again on a clock.
-	return ctrl.Result{RequeueAfter: r.reportInterval()}, nil
+	// Replicas report what no event announces: read them again on a clock, after the policies
+	// that an event brought, such as new ones waiting to be programmed.
+	return ctrl.Result{RequeueAfter: r.reportInterval(), Priority: ptr.To(handler.LowPriority)}, nil
 }
 
 // applyFailed records why applying failed and how to go on.
@@ -256,7 +258,11 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 	return nil
 }
 
-var defaultFetch = FetchReport(&http.Client{Timeout: reportTimeout})
+// defaultFetch keeps a connection to every enforcer between reads: net/http's default of 100
+// idle connections in all would dial most of a thousand enforcers anew every interval.
+var defaultFetch = FetchReport(&http.Client{Timeout: reportTimeout, Transport: &http.Transport{
+	MaxIdleConns: 0, MaxIdleConnsPerHost: 2, IdleConnTimeout: 90 * time.Second,
+}})
 
 func podReady(pod *corev1.Pod) bool {
 	for _, c := range pod.Status.Conditions {
