@@ -264,7 +264,15 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 	for b.Loop() {
 		ctx := context.Background()
 		c := startCluster(b)
-		logs := &local.Output{}
+		var logs io.Writer = &local.Output{}
+		if path := os.Getenv("SLUICE_BENCH_LOG"); path != "" {
+			f, err := os.Create(path)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { _ = f.Close() })
+			logs = f
+		}
 		profiles := os.Getenv("SLUICE_BENCH_PROFILE")
 		pprofAddr, _ := local.FreeAddr()
 		args := []string{"--enforcer-image=sluice-enforcer:bench"}
