@@ -68,7 +68,7 @@ func managedEntry(t *testing.T, manager string, op metav1.ManagedFieldsOperation
 	if err != nil {
 		t.Fatal(err)
 	}
-	return metav1.ManagedFieldsEntry{Manager: manager, Operation: op, APIVersion: "apps/v1", FieldsType: "FieldsV1", FieldsV1: &metav1.FieldsV1{Raw: raw}}
+	return metav1.ManagedFieldsEntry{Manager: manager, Operation: op, APIVersion: "apps/v1", FieldsType: "FieldsV1", FieldsV1: metav1.NewFieldsV1(string(raw))}
 }
 
 // takeOver moves the fields at paths from FieldOwner to manager, as an update by manager that
