@@ -109,8 +109,9 @@ fuzz: redis-server ## Run every fuzz target of the repository (found by go test 
 	done <<< "$$targets"
 
 .PHONY: bench
-bench: redis-server ## Run the Go benchmarks.
+bench: redis-server ## Run the Go benchmarks, and the thousand-policy tests of the benchmark tier (-tags bench).
 	go test -run '^$$' -bench . -benchmem ./...
+	go test -tags bench -count=1 -run Thousand -timeout 60m ./test/e2e/
 
 ##@ Build
 

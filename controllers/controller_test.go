@@ -104,7 +104,7 @@ func run(m *testing.M) int {
 	k8s, _ = client.New(direct, client.Options{Scheme: scheme})
 	// The manager runs with the defaults of cmd/manager's --kube-api-qps and --kube-api-burst.
 	managerConfig := rest.CopyConfig(env.Config)
-	managerConfig.QPS, managerConfig.Burst = 50, 100
+	managerConfig.QPS, managerConfig.Burst = 400, 800
 	mgr, err := ctrl.NewManager(managerConfig, ctrl.Options{
 		Scheme:                 scheme,
 		Cache:                  cache.Options{ByObject: controllers.CacheByObject()},
@@ -121,7 +121,7 @@ func run(m *testing.M) int {
 	reconciler = &controllers.RateLimitPolicyReconciler{
 		Client: mgrClient, Scheme: scheme, Recorder: mgr.GetEventRecorder("sluice"),
 		Defaults:       render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
-		Workers:        4,
+		Workers:        16,
 		ProbeRedis:     controllers.DialRedis,
 		ProbeInterval:  300 * time.Millisecond,
 		ReportInterval: time.Second,

@@ -11,6 +11,7 @@ import (
 	eventsv1 "k8s.io/api/events/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
@@ -289,4 +290,78 @@ func TestReconcileWhenAPolicyIsCreatedAgainThenItWaitsForTheOldObjectsInsteadOfS
 	}
 	setFinalizers()
 	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+}
+
+// A field the policy no longer renders disappears from the live object: dropping
+// spec.enforcer.resources.limits.cpu removes the limit from the Deployment, as server-side apply
+// of the new rendering does, and no DriftCorrected event is recorded for it.
+func TestReconcileWhenALimitIsRemovedFromTheSpecThenItIsRemovedFromTheDeployment(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "remove")
+	targetService(t, ns, "api")
+	p := newPolicy(ns, "remove", "api")
+	p.Spec.Enforcer.Resources = &corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m")},
+		Limits:   corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("1"), corev1.ResourceMemory: resource.MustParse("256Mi")},
+	}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	key := client.ObjectKey{Namespace: ns, Name: "sluice-remove"}
+	limits := func() corev1.ResourceList {
+		d := &appsv1.Deployment{}
+		if err := k8s.Get(ctx, key, d); err != nil {
+			t.Fatal(err)
+		}
+		return d.Spec.Template.Spec.Containers[0].Resources.Limits
+	}
+	if _, ok := limits()[corev1.ResourceCPU]; !ok {
+		t.Fatalf("limits %v before the change, want a CPU limit", limits())
+	}
+	updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) {
+		delete(p.Spec.Enforcer.Resources.Limits, corev1.ResourceCPU)
+	})
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	eventually(t, "limits.cpu removed from the Deployment", func() (bool, string) {
+		l := limits()
+		_, cpu := l[corev1.ResourceCPU]
+		return !cpu && l.Memory().String() == "256Mi", fmt.Sprintf("limits %v", l)
+	})
+	if n := driftEvents(t, ns); n != 0 {
+		t.Errorf("%d DriftCorrected events after a change of the spec, want none", n)
+	}
+}
+
+// policyName is a DNS subdomain of n characters with dots, such as "policy.v2.policy.v2.po".
+func policyName(n int) string {
+	return strings.Repeat("policy.v2.", n/10+1)[:n-1] + "z"
+}
+
+// Every name the API server admits is programmed and its enforcer found: names of 63 characters
+// (the longest label value), 64, 200 and 253 (the longest name), with dots, all sharing their
+// first 54 characters. Ready comes from the reports of the pods, which the controller finds
+// through their labels and, for the names too long for a label, their annotation.
+func TestReconcileWhenTheNameIsUpTo253CharactersThenItIsProgrammedAndReady(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "names")
+	runEnforcers(t, ns)
+	var policies []*v1alpha1.RateLimitPolicy
+	for i, n := range []int{63, 64, 200, 253} {
+		target := fmt.Sprintf("api-%d", i)
+		targetService(t, ns, target)
+		p := newPolicy(ns, policyName(n), target)
+		p.Spec.Storage, p.Spec.Enforcer.Replicas = nil, ptr.To[int32](1)
+		if err := k8s.Create(ctx, p); err != nil {
+			t.Fatalf("create a policy named with %d characters: %v", n, err)
+		}
+		policies = append(policies, p)
+	}
+	for _, p := range policies {
+		waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+		waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+		if c := condition(t, p, v1alpha1.ConditionReady); !strings.HasPrefix(c.Message, "1/1 replicas serve revision ") {
+			t.Errorf("policy of %d characters: Ready message %q, want its one replica serving", len(p.Name), c.Message)
+		}
+	}
 }

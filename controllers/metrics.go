@@ -3,8 +3,11 @@ package controllers
 import (
 	"errors"
 	"net"
+	"slices"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
@@ -52,6 +55,10 @@ var (
 		Name: "sluice_manager_report_failures_total",
 		Help: "Enforcer reports the manager could not read, by reason (timeout, unreachable, http_status, invalid).",
 	}, []string{"reason"})
+	appliesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "sluice_manager_applies_total",
+		Help: "Server-side apply requests the manager sent for enforcer objects, by kind.",
+	}, []string{"kind"})
 	replicasDesired = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "sluice_policy_replicas_desired",
 		Help: "Enforcer replicas a policy asks for, once its objects are programmed.",
@@ -67,7 +74,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(reconcileErrors, reportFailures, replicasDesired, replicasServing, policyCondition)
+	metrics.Registry.MustRegister(reconcileErrors, reportFailures, appliesTotal, replicasDesired, replicasServing, policyCondition)
 	// Every reason at zero from the start: an alert on increase() sees the first failure.
 	for _, r := range []string{errRead, errRender, errApply, errRejected, errInTheWay, errStatus} {
 		reconcileErrors.WithLabelValues(r)
@@ -105,30 +112,73 @@ func reportFailureReason(err error) string {
 	return reportUnreachable
 }
 
-// exportStatus sets a policy's gauges from the status it was just given.
+// exportStatus sets a policy's gauges from the status it was just given. The series it set last
+// time are remembered, so that an unchanged status costs a comparison and a changed one touches
+// only its own series: deleting by a partial match walks every policy's series.
 func exportStatus(key types.NamespacedName, st *v1alpha1.RateLimitPolicyStatus) {
-	id := key.Namespace + "/" + key.Name
-	policyCondition.DeletePartialMatch(prometheus.Labels{"policy": id})
+	next := exportedStatus{}
 	for _, c := range st.Conditions {
-		v := 0.0
-		if c.Status == "True" {
-			v = 1
-		}
-		policyCondition.WithLabelValues(id, c.Type, c.Reason).Set(v)
+		next.conditions = append(next.conditions, exportedCondition{c.Type, c.Reason, c.Status == metav1.ConditionTrue})
 	}
 	if e := st.Enforcer; e != nil {
-		replicasDesired.WithLabelValues(id).Set(float64(e.Replicas))
-		replicasServing.WithLabelValues(id).Set(float64(e.ReadyReplicas))
+		next.enforcer, next.desired, next.serving = true, e.Replicas, e.ReadyReplicas
+	}
+	prev, ok := exported.Load(key)
+	if ok && prev.(exportedStatus).equal(next) {
+		return
+	}
+	id := key.Namespace + "/" + key.Name
+	if ok {
+		for _, c := range prev.(exportedStatus).conditions {
+			policyCondition.DeleteLabelValues(id, c.typ, c.reason)
+		}
+	}
+	for _, c := range next.conditions {
+		v := 0.0
+		if c.true {
+			v = 1
+		}
+		policyCondition.WithLabelValues(id, c.typ, c.reason).Set(v)
+	}
+	if next.enforcer {
+		replicasDesired.WithLabelValues(id).Set(float64(next.desired))
+		replicasServing.WithLabelValues(id).Set(float64(next.serving))
 	} else {
 		replicasDesired.DeleteLabelValues(id)
 		replicasServing.DeleteLabelValues(id)
 	}
+	exported.Store(key, next)
+}
+
+// exported is the last exportedStatus of each policy.
+var exported sync.Map // types.NamespacedName -> exportedStatus
+
+// exportedStatus is what exportStatus set for one policy.
+type exportedStatus struct {
+	conditions       []exportedCondition
+	enforcer         bool
+	desired, serving int32
+}
+
+type exportedCondition struct {
+	typ, reason string
+	true        bool
+}
+
+func (a exportedStatus) equal(b exportedStatus) bool {
+	return slices.Equal(a.conditions, b.conditions) && a.enforcer == b.enforcer && a.desired == b.desired && a.serving == b.serving
 }
 
 // forgetStatus removes the gauges of a policy that is gone.
 func forgetStatus(key types.NamespacedName) {
-	l := prometheus.Labels{"policy": key.Namespace + "/" + key.Name}
-	for _, g := range []*prometheus.GaugeVec{replicasDesired, replicasServing, policyCondition} {
-		g.DeletePartialMatch(l)
+	prev, ok := exported.LoadAndDelete(key)
+	if !ok {
+		return // nothing exported, or forgotten already: the lookup of a deleted policy costs nothing
 	}
+	id := key.Namespace + "/" + key.Name
+	for _, c := range prev.(exportedStatus).conditions {
+		policyCondition.DeleteLabelValues(id, c.typ, c.reason)
+	}
+	replicasDesired.DeleteLabelValues(id)
+	replicasServing.DeleteLabelValues(id)
 }

@@ -3,8 +3,6 @@ package controllers
 import (
 	"context"
 	"errors"
-	"fmt"
-	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -18,13 +16,10 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
-	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -33,7 +28,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
-	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
@@ -52,6 +46,10 @@ const EventDriftCorrected = "DriftCorrected"
 
 // targetIndex indexes policies by the Service they target.
 const targetIndex = "spec.targetRef.name"
+
+// podPolicyIndex indexes enforcer pods by the name of their policy: finding a policy's pods is a
+// lookup, not a match of every pod of the namespace against a selector.
+const podPolicyIndex = "sluice.policy"
 
 // RateLimitPolicyReconciler reconciles each RateLimitPolicy into its enforcer.
 type RateLimitPolicyReconciler struct {
@@ -82,6 +80,9 @@ type RateLimitPolicyReconciler struct {
 // memory is the reconciler's state across reconciles, lost on restart.
 type memory struct {
 	history history
+	applied appliedCache
+	// programmed is what each policy's last full apply established.
+	programmed sync.Map // types.NamespacedName -> *programmed
 	// written is when each policy's status was last written.
 	written sync.Map // types.NamespacedName -> time.Time
 }
@@ -102,6 +103,8 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
 		if apierrors.IsNotFound(err) {
 			r.mem.history.forget(req.NamespacedName)
+			r.mem.applied.forget(req.NamespacedName)
+			r.mem.programmed.Delete(req.NamespacedName)
 			r.mem.written.Delete(req.NamespacedName)
 			forgetStatus(req.NamespacedName)
 			return ctrl.Result{}, nil
@@ -134,32 +137,24 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, nil
 	}
 
-	objs, err := render.Enforcer(p, r.Defaults)
-	if err != nil {
-		return ctrl.Result{}, failed(errRender, err)
-	}
-	if err := r.apply(ctx, p, objs); err != nil {
-		obs.applyErr = err
-		var inTheWay *notOwnedError
-		switch {
-		case errors.As(err, &inTheWay):
-			// Final until someone removes the object, which no event of ours announces: look
-			// again now and then, without the error backoff.
-			obs.stalled = true
-			_ = failed(errInTheWay, err)
-			return ctrl.Result{RequeueAfter: stalledRecheck}, nil
-		case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
-			obs.stalled = true // only a change of the spec, or of the manager, can fix it
-			return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
+	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
+	// nor compares them again.
+	prog := r.current(ctx, p)
+	if prog == nil {
+		objs, err := render.Enforcer(p, r.Defaults)
+		if err != nil {
+			return ctrl.Result{}, failed(errRender, err)
 		}
-		return ctrl.Result{}, failed(errApply, err)
+		if err := r.apply(ctx, p, objs); err != nil {
+			return applyFailed(err, &obs)
+		}
+		prog = r.remember(p, objs)
 	}
-	obs.programmed, obs.revision, obs.service, obs.replicas = true, objs.Revision, objs.Service.Name, render.Replicas(p)
-	obs.image = objs.Deployment.Spec.Template.Spec.Containers[0].Image
-	obs.storage = storageKind(p)
+	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
+	obs.image, obs.storage = prog.image, prog.storage
 
 	dep := &appsv1.Deployment{}
-	if err := r.Get(ctx, client.ObjectKeyFromObject(objs.Deployment), dep); err != nil {
+	if err := r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: prog.deployment}, dep); err != nil {
 		if apierrors.IsNotFound(err) {
 			return ctrl.Result{}, nil
 		}
@@ -180,11 +175,30 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if !reported {
 		var probed bool
 		if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
-			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval())}, nil
+			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval()), Priority: ptr.To(handler.LowPriority)}, nil
 		}
 	}
-	// Replicas report what no event announces: read them again on a clock.
-	return ctrl.Result{RequeueAfter: r.reportInterval()}, nil
+	// Replicas report what no event announces: read them again on a clock, after the policies
+	// that an event brought, such as new ones waiting to be programmed.
+	return ctrl.Result{RequeueAfter: r.reportInterval(), Priority: ptr.To(handler.LowPriority)}, nil
+}
+
+// applyFailed records why applying failed and how to go on.
+func applyFailed(err error, obs *observation) (ctrl.Result, error) {
+	obs.applyErr = err
+	var inTheWay *notOwnedError
+	switch {
+	case errors.As(err, &inTheWay):
+		// Final until someone removes the object, which no event of ours announces: look
+		// again now and then, without the error backoff.
+		obs.stalled = true
+		_ = failed(errInTheWay, err)
+		return ctrl.Result{RequeueAfter: stalledRecheck}, nil
+	case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
+		obs.stalled = true // only a change of the spec, or of the manager, can fix it
+		return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
+	}
+	return ctrl.Result{}, failed(errApply, err)
 }
 
 func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
@@ -201,7 +215,7 @@ const reportTimeout = 2 * time.Second
 // that runs, at once, and records their counters.
 func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) error {
 	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels(render.PodLabels(p))); err != nil {
+	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}); err != nil {
 		return err
 	}
 	fetch := r.FetchReport
@@ -211,7 +225,8 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 	var running []*corev1.Pod
 	for i := range pods.Items {
 		pod := &pods.Items[i]
-		if pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+		// A label value cut and hashed may, however unlikely, be another long name's too.
+		if render.PolicyOfPod(pod) != p.Name || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 			continue
 		}
 		running = append(running, pod)
@@ -243,7 +258,11 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 	return nil
 }
 
-var defaultFetch = FetchReport(&http.Client{Timeout: reportTimeout})
+// defaultFetch keeps a connection to every enforcer between reads: net/http's default of 100
+// idle connections in all would dial most of a thousand enforcers anew every interval.
+var defaultFetch = FetchReport(&http.Client{Timeout: reportTimeout, Transport: &http.Transport{
+	MaxIdleConns: 0, MaxIdleConnsPerHost: 2, IdleConnTimeout: 90 * time.Second,
+}})
 
 func podReady(pod *corev1.Pod) bool {
 	for _, c := range pod.Status.Conditions {
@@ -298,140 +317,6 @@ func (r *RateLimitPolicyReconciler) olderPolicyOnTarget(ctx context.Context, p *
 		}
 	}
 	return "", nil
-}
-
-// apply writes each object with server-side apply under one field owner, unless the live copy
-// already holds every field of it: an unchanged policy with untouched objects costs no write, and
-// a hand edit of any rendered field, or a deleted object, is put back, with an event that says
-// what. Objects no longer rendered (the managed Redis when storage changes, the
-// PodDisruptionBudget at one replica) are deleted.
-func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
-	logger := log.FromContext(ctx)
-	// A difference is drift, put back with an event, only when the spec is the one already
-	// programmed: after a change of the spec, new and changed objects are simply the change.
-	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
-		p.Status.ObservedGeneration == p.Generation
-	for _, obj := range objs.All() {
-		u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
-		if err != nil {
-			return err
-		}
-		desired := &unstructured.Unstructured{Object: u}
-		unstructured.RemoveNestedField(desired.Object, "status")
-		unstructured.RemoveNestedField(desired.Object, "metadata", "creationTimestamp")
-		unstructured.RemoveNestedField(desired.Object, "spec", "template", "metadata", "creationTimestamp")
-		live := obj.DeepCopyObject().(client.Object)
-		var drift string
-		switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
-		case apierrors.IsNotFound(err):
-			if programmed {
-				drift = "the object was deleted"
-			}
-		case err != nil:
-			return err
-		default:
-			if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
-				if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
-					// A policy deleted and created again: garbage collection is about to remove
-					// the old one's objects, and their deletion brings us back here.
-					return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
-				}
-				return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
-			}
-			liveU, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
-			if err != nil {
-				return err
-			}
-			field, differs := firstDifference(liveU, desired.Object, "")
-			if !differs {
-				continue
-			}
-			if programmed {
-				drift = field[1:] + " differed from the policy"
-			}
-		}
-		if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
-			return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
-		}
-		logger.Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "drift", drift)
-		if drift != "" && r.Recorder != nil {
-			r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
-				"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
-		}
-	}
-	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
-	var unwanted []client.Object
-	if objs.PDB == nil {
-		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
-	}
-	if objs.RedisDeployment == nil {
-		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
-		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
-	}
-	for _, obj := range unwanted {
-		if err := r.deleteOwned(ctx, p, obj); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// stalledRecheck is how often a policy stalled by an object in its way looks again.
-const stalledRecheck = 5 * time.Minute
-
-// notOwnedError says that an object the policy renders exists and belongs to something else.
-// The controller never takes such an object over.
-type notOwnedError struct{ kind, name string }
-
-func (e *notOwnedError) Error() string {
-	return fmt.Sprintf("%s %s exists and is not owned by this policy: delete or rename it, or rename the policy", e.kind, e.name)
-}
-
-// deleteOwned deletes obj if it exists and the policy controls it.
-func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object) error {
-	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
-		return client.IgnoreNotFound(err)
-	}
-	if owner := metav1.GetControllerOf(obj); owner == nil || owner.UID != p.UID {
-		return nil
-	}
-	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
-		return err
-	}
-	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
-	return nil
-}
-
-// firstDifference returns the path of the first field of want that got lacks or holds with
-// another value, and whether there is one. Fields that got has beyond want (defaults the API
-// server set, status) do not count; lists must match item by item.
-func firstDifference(got, want any, path string) (string, bool) {
-	switch w := want.(type) {
-	case map[string]any:
-		g, _ := got.(map[string]any)
-		for _, k := range slices.Sorted(maps.Keys(w)) {
-			if w[k] == nil {
-				continue
-			}
-			if p, differs := firstDifference(g[k], w[k], path+"."+k); differs {
-				return p, true
-			}
-		}
-		return "", false
-	case []any:
-		g, _ := got.([]any)
-		if len(g) != len(w) {
-			return path, true
-		}
-		for i := range w {
-			if p, differs := firstDifference(g[i], w[i], fmt.Sprintf("%s[%d]", path, i)); differs {
-				return p, true
-			}
-		}
-		return "", false
-	default:
-		return path, !equality.Semantic.DeepEqual(got, want)
-	}
 }
 
 // writeStatus writes the status when it changed, and records an event for each condition that
@@ -505,6 +390,14 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 	}); err != nil {
 		return err
 	}
+	if err := mgr.GetFieldIndexer().IndexField(ctx, &corev1.Pod{}, podPolicyIndex, func(o client.Object) []string {
+		if name := render.PolicyOfPod(o); name != "" {
+			return []string{name}
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
 	// policiesTargeting enqueues the policies of a namespace that target a Service name.
 	policiesTargeting := func(target func(client.Object) string) handler.EventHandler {
 		return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
@@ -531,7 +424,7 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Owns(&rbacv1.RoleBinding{}).
 		// A pod that starts, becomes ready or goes away changes what the policy's status says.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
-			name := render.PolicyOfPod(o.GetLabels())
+			name := render.PolicyOfPod(o)
 			if name == "" {
 				return nil
 			}

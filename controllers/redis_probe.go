@@ -40,6 +40,9 @@ func DialRedis(ctx context.Context, addrs []string) error {
 // SharedProbe makes the policies that name the same Redis share its probe: a result is reused
 // for ttl by clk, and concurrent probes of one address list wait for the one in flight. Without
 // it, a thousand policies on one unreachable Redis would each hold a worker for the dial's timeout.
+// The shared probe runs with a context of its own, bounded by sharedProbeTimeout: the reconcile
+// that happened to start it may end or be cancelled without failing the others, and without its
+// cancellation being cached as an unreachable Redis. A waiter whose context ends stops waiting.
 func SharedProbe(probe RedisProbe, ttl time.Duration, clk clock.PassiveClock) RedisProbe {
 	type result struct {
 		err error
@@ -58,8 +61,10 @@ func SharedProbe(probe RedisProbe, ttl time.Duration, clk clock.PassiveClock) Re
 		if ok && clk.Since(res.at) < ttl {
 			return res.err
 		}
-		v, _, _ := flight.Do(key, func() (any, error) {
-			err := probe(ctx, addrs)
+		ch := flight.DoChan(key, func() (any, error) {
+			probeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sharedProbeTimeout)
+			defer cancel()
+			err := probe(probeCtx, addrs)
 			res := result{err: err, at: clk.Now()}
 			mu.Lock()
 			defer mu.Unlock()
@@ -71,9 +76,17 @@ func SharedProbe(probe RedisProbe, ttl time.Duration, clk clock.PassiveClock) Re
 			results[key] = res
 			return res, nil
 		})
-		return v.(result).err
+		select {
+		case v := <-ch:
+			return v.Val.(result).err
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 }
+
+// sharedProbeTimeout bounds a shared probe, whoever waits for it.
+const sharedProbeTimeout = 5 * time.Second
 
 // probeRedis probes the Redis a policy names in storage.redis, and returns why it is unreachable,
 // or "". A managed Redis is watched through its Deployment instead.
@@ -86,6 +99,9 @@ func (r *RateLimitPolicyReconciler) probeRedis(ctx context.Context, p *v1alpha1.
 		addrs[i] = string(a)
 	}
 	if err := r.ProbeRedis(ctx, addrs); err != nil {
+		if ctx.Err() != nil {
+			return "", false // the reconcile ended, which says nothing of Redis
+		}
 		return fmt.Sprintf("the manager cannot reach Redis at %s: %v; while the enforcers cannot either, each rule applies its failureMode",
 			strings.Join(addrs, ", "), err), true
 	}

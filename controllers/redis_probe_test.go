@@ -58,3 +58,42 @@ func TestSharedProbeWhenManyPoliciesNameOneRedisThenItIsProbedOnce(t *testing.T)
 		t.Errorf("after the ttl: %d probes, want 3 (probed again)", calls.Load())
 	}
 }
+
+// The shared probe runs with a context of its own: the reconcile that started it may be
+// cancelled, and it alone stops waiting; the others get the probe's real answer, and that, not
+// the cancellation, is what is reused.
+func TestSharedProbeWhenTheFirstCallerIsCancelledThenTheOthersGetTheRealResult(t *testing.T) {
+	started, release := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int32
+	clk := clocktesting.NewFakePassiveClock(time.Unix(1_700_000_000, 0))
+	probe := controllers.SharedProbe(func(ctx context.Context, _ []string) error {
+		if calls.Add(1) == 1 {
+			close(started)
+		}
+		select { // a dial that a cancelled context ends
+		case <-release:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}, time.Minute, clk)
+	addrs := []string{"redis:6379"}
+
+	first, cancel := context.WithCancel(context.Background())
+	firstErr := make(chan error, 1)
+	go func() { firstErr <- probe(first, addrs) }()
+	<-started
+	waiter := make(chan error, 1)
+	go func() { waiter <- probe(context.Background(), addrs) }()
+	cancel()
+	if err := <-firstErr; !errors.Is(err, context.Canceled) {
+		t.Errorf("the cancelled caller got %v, want its own cancellation", err)
+	}
+	close(release)
+	if err := <-waiter; err != nil {
+		t.Errorf("when the first caller is cancelled then another waiter gets %v, want the probe's nil", err)
+	}
+	if err := probe(context.Background(), addrs); err != nil || calls.Load() != 1 {
+		t.Errorf("the cached result is %v after %d probes, want nil after 1", err, calls.Load())
+	}
+}

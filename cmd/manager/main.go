@@ -36,6 +36,7 @@ import (
 func main() {
 	var (
 		metricsAddr, probeAddr string
+		pprofAddr              string
 		leaderElect            bool
 		defaults               render.Defaults
 		workers                int
@@ -48,15 +49,18 @@ func main() {
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
+	flag.StringVar(&pprofAddr, "pprof-bind-address", "", "Address of the Go profiler's /debug/pprof endpoints; empty disables them.")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "Elect a leader so that only one manager replica reconciles; every replica serves the webhook.")
 	flag.DurationVar(&lease.duration, "leader-elect-lease-duration", 15*time.Second, "How long a replica waits, after the leader last renewed its lease, before it takes over.")
 	flag.DurationVar(&lease.renew, "leader-elect-renew-deadline", 10*time.Second, "How long the leader tries to renew its lease before it gives up leading.")
 	flag.DurationVar(&lease.retry, "leader-elect-retry-period", 2*time.Second, "How often replicas try to acquire or renew the lease.")
 	flag.StringVar(&defaults.EnforcerImage, "enforcer-image", "ghcr.io/sluice-dev/sluice-enforcer:latest", "Enforcer image of policies that do not set spec.enforcer.image.")
 	flag.StringVar(&defaults.RedisImage, "redis-image", "redis:7.4-alpine", "Redis image of policies with storage.managedRedis that do not set an image.")
-	flag.IntVar(&workers, "workers", 4, "Policies reconciled at once.")
-	flag.Float64Var(&qps, "kube-api-qps", 50, "Requests per second the manager may send to the API server.")
-	flag.IntVar(&burst, "kube-api-burst", 100, "Burst of requests the manager may send to the API server.")
+	flag.IntVar(&workers, "workers", 16, "Policies reconciled at once.")
+	// A thousand new policies are about 7,000 writes: at 50 a second, over two minutes before the
+	// last is Programmed. The API server's priority and fairness protects it from a busy client.
+	flag.Float64Var(&qps, "kube-api-qps", 400, "Requests per second the manager may send to the API server.")
+	flag.IntVar(&burst, "kube-api-burst", 800, "Burst of requests the manager may send to the API server.")
 	flag.DurationVar(&probeInterval, "redis-probe-interval", time.Minute, "How often the manager checks, for a policy none of whose enforcer replicas reports, that its storage.redis accepts connections, "+
 		"and reports Degraded RedisUnreachable when not; 0 disables the probe. Policies naming the same Redis share a probe's result for half the interval, at most 10s.")
 	flag.DurationVar(&reportInterval, "report-interval", 10*time.Second, "How often each policy's enforcer replicas are asked for their reports (served revision, store health, "+
@@ -85,6 +89,7 @@ func main() {
 		WebhookServer:          server,
 		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
 		HealthProbeBindAddress: probeAddr,
+		PprofBindAddress:       pprofAddr,
 		LeaderElection:         leaderElect,
 		LeaderElectionID:       "manager.ratelimit.sluice.dev",
 		// The lease lives beside the certificate Secret, in the manager's namespace; outside a

@@ -58,10 +58,13 @@ const (
 	// RevisionAnnotation records the config revision rendered into the ConfigMap and the
 	// Deployment, for people reading them; readiness comes from what the replicas report.
 	RevisionAnnotation = "ratelimit.sluice.dev/config-revision"
-	labelName          = "app.kubernetes.io/name"
-	labelInstance      = "app.kubernetes.io/instance"
-	labelComponent     = "app.kubernetes.io/component"
-	labelManagedBy     = "app.kubernetes.io/managed-by"
+	// PolicyAnnotation names the policy on the pods of a policy whose name is too long for a
+	// label value, where the instance label holds a digest of it.
+	PolicyAnnotation = "ratelimit.sluice.dev/policy"
+	labelName        = "app.kubernetes.io/name"
+	labelInstance    = "app.kubernetes.io/instance"
+	labelComponent   = "app.kubernetes.io/component"
+	labelManagedBy   = "app.kubernetes.io/managed-by"
 )
 
 // Defaults are the manager's settings that policies may override.
@@ -164,15 +167,42 @@ const (
 
 // PodLabels are the labels of the policy's enforcer pods, and the selector that finds them.
 func PodLabels(p *v1alpha1.RateLimitPolicy) map[string]string {
-	return map[string]string{labelName: EnforcerPodLabelValue, labelInstance: p.Name}
+	return map[string]string{labelName: EnforcerPodLabelValue, labelInstance: LabelValue(p.Name)}
 }
 
-// PolicyOfPod is the name of the policy whose enforcer runs in a pod with these labels, or "".
-func PolicyOfPod(labels map[string]string) string {
-	if labels[labelName] != EnforcerPodLabelValue {
+// LabelValue is name if it fits a label value, which holds at most 63 characters, as every
+// policy name of up to 63 does (names and label values share their alphabet). A longer name, up
+// to the 253 of an object name, is cut to leave room and followed by "-" and 8 hex digits of its
+// SHA-256, as cluster-api's util/labels/format does: valid, stable, and distinct for names that
+// share their first 54 characters.
+func LabelValue(name string) string {
+	if len(name) <= validation.LabelValueMaxLength {
+		return name
+	}
+	sum := sha256.Sum256([]byte(name))
+	suffix := "-" + hex.EncodeToString(sum[:4])
+	return name[:validation.LabelValueMaxLength-len(suffix)] + suffix
+}
+
+// PolicyOfPod is the name of the policy whose enforcer runs in pod, or "": from its annotation
+// when the name is too long for the instance label, else from the label.
+func PolicyOfPod(pod metav1.Object) string {
+	if pod.GetLabels()[labelName] != EnforcerPodLabelValue {
 		return ""
 	}
-	return labels[labelInstance]
+	if name := pod.GetAnnotations()[PolicyAnnotation]; name != "" {
+		return name
+	}
+	return pod.GetLabels()[labelInstance]
+}
+
+// podAnnotations carry the policy's name when the labels cannot. A name that fits a label adds
+// none, so the pod template of existing policies stays as it was and nothing rolls out.
+func podAnnotations(p *v1alpha1.RateLimitPolicy) map[string]string {
+	if LabelValue(p.Name) == p.Name {
+		return nil
+	}
+	return map[string]string{PolicyAnnotation: p.Name}
 }
 
 // Replicas is the enforcer's replica count: the spec's, or 1 with memory storage and 2 otherwise.
@@ -194,7 +224,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		return nil, err
 	}
 	o := &Objects{Revision: report.Revision(config)}
-	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: p.Name, labelManagedBy: "sluice"}
+	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice"}
 
 	// The enforcer watches its ConfigMap through the API server and may read nothing else.
 	o.ServiceAccount = &corev1.ServiceAccount{
@@ -302,7 +332,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			Template: corev1.PodTemplateSpec{
 				// The config revision is not in the template: the running pods take a changed
 				// policy from their ConfigMap, watched through the API server, without a rollout.
-				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
+				ObjectMeta: metav1.ObjectMeta{Labels: podLabels, Annotations: podAnnotations(p)},
 				Spec: corev1.PodSpec{
 					// The token lets the enforcer watch its ConfigMap, all its Role allows.
 					ServiceAccountName:            name,
@@ -406,8 +436,8 @@ func redisArgs(r *v1alpha1.RedisStorage) []string {
 // short-lived and rebuilt by traffic), bounded memory, and eviction of the keys closest to their
 // TTL, which are the ones closest to idle.
 func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service) {
-	labels := map[string]string{labelName: "sluice-redis", labelInstance: p.Name, labelManagedBy: "sluice", labelComponent: "redis"}
-	podLabels := map[string]string{labelName: "sluice-redis", labelInstance: p.Name}
+	labels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "redis"}
+	podLabels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)}
 	image := d.RedisImage
 	if m.Image != "" {
 		image = m.Image

@@ -2,6 +2,7 @@ package render_test
 
 import (
 	"flag"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,6 +10,8 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
@@ -173,5 +176,48 @@ func TestEnforcerWhenAnyAdmittedNameThenEveryRenderedNameIsAValidUniqueLabel(t *
 		if got := render.Name(p); !strings.HasPrefix(got, want) {
 			t.Errorf("Name(%q) = %q, want it to start %q as before", name, got, want)
 		}
+	}
+}
+
+// Every label and selector value the objects carry is a valid label value for every admitted
+// name, 63 characters at most; a name that fits one is the value itself, and the pods of a
+// longer name carry it in an annotation, from which PolicyOfPod reads it.
+func TestEnforcerWhenAnyAdmittedNameThenEveryLabelValueIsValidAndThePodsNameThePolicy(t *testing.T) {
+	for _, name := range []string{"api", "shop.v2", strings.Repeat("a", 63), strings.Repeat("b", 64),
+		strings.Repeat("c.", 99) + "c", strings.Repeat("d", 52) + ".-" + strings.Repeat("e", 199), strings.Repeat("f.", 126) + "f"} {
+		p := readSample(t, "demo.yaml")
+		p.Name = name
+		p.Spec.Storage = &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}}
+		p.Spec.Enforcer = &v1alpha1.EnforcerSpec{Replicas: new(int32(2))}
+		objs, err := render.Enforcer(p, defaults)
+		if err != nil {
+			t.Fatal(err)
+		}
+		check := func(what string, labels map[string]string) {
+			for k, v := range labels {
+				if msgs := validation.IsValidLabelValue(v); len(msgs) > 0 {
+					t.Errorf("policy of %d characters: %s label %s=%q: %v", len(name), what, k, v, msgs)
+				}
+			}
+		}
+		for _, o := range objs.All() {
+			check(fmt.Sprintf("%T", o), o.GetLabels())
+		}
+		for _, d := range []*appsv1.Deployment{objs.Deployment, objs.RedisDeployment} {
+			check("pod template", d.Spec.Template.Labels)
+			check("selector", d.Spec.Selector.MatchLabels)
+		}
+		check("Service selector", objs.Service.Spec.Selector)
+		check("PodDisruptionBudget selector", objs.PDB.Spec.Selector.MatchLabels)
+		pod := &corev1.Pod{ObjectMeta: objs.Deployment.Spec.Template.ObjectMeta}
+		if got := render.PolicyOfPod(pod); got != name {
+			t.Errorf("PolicyOfPod of a pod of the policy of %d characters = %q", len(name), got)
+		}
+		if len(name) <= 63 && len(pod.Annotations) > 0 {
+			t.Errorf("the pod template of a policy of %d characters has annotations %v: existing policies would roll out", len(name), pod.Annotations)
+		}
+	}
+	if render.LabelValue(strings.Repeat("a", 64)) == render.LabelValue(strings.Repeat("a", 63)+"b") {
+		t.Error("two long names share a label value")
 	}
 }

@@ -24,6 +24,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -445,4 +446,45 @@ func releaseNames(t *testing.T, ns string) []string {
 		t.Fatal(err)
 	}
 	return strings.Fields(out)
+}
+
+// Both installations run a highly available manager by default: two replicas with leader
+// election, spread over nodes, and a PodDisruptionBudget that keeps one through a drain, so the
+// webhook, whose failurePolicy is Fail, always has a replica to answer.
+func TestChartAndConfigWhenRenderedByDefaultThenTheManagerIsHighlyAvailable(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	for name, objs := range map[string][]*unstructured.Unstructured{"the chart": render(t), "config/default": kustomize(t, "config/default")} {
+		t.Run(name, func(t *testing.T) {
+			byKind := byKindName(objs)
+			dep := byKind["Deployment/sluice-manager"]
+			if dep == nil {
+				t.Fatal("no Deployment sluice-manager")
+			}
+			replicas, _, _ := unstructured.NestedFieldNoCopy(dep.Object, "spec", "replicas")
+			containers, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+			if fmt.Sprint(replicas) != "2" || !strings.Contains(fmt.Sprint(containers), "--leader-elect") {
+				t.Errorf("%v replicas, containers %v; want 2 with --leader-elect", replicas, containers)
+			}
+			spread, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "topologySpreadConstraints")
+			if !strings.Contains(fmt.Sprint(spread), "kubernetes.io/hostname") {
+				t.Errorf("topologySpreadConstraints %v, want a spread over nodes", spread)
+			}
+			pdb := byKind["PodDisruptionBudget/sluice-manager"]
+			if pdb == nil {
+				t.Fatal("no PodDisruptionBudget sluice-manager")
+			}
+			if ns := pdb.GetNamespace(); ns != dep.GetNamespace() {
+				t.Errorf("the budget is in namespace %q, the manager in %q", ns, dep.GetNamespace())
+			}
+			minAvailable, _, _ := unstructured.NestedFieldNoCopy(pdb.Object, "spec", "minAvailable")
+			selector, _, _ := unstructured.NestedStringMap(pdb.Object, "spec", "selector", "matchLabels")
+			podLabels, _, _ := unstructured.NestedStringMap(dep.Object, "spec", "template", "metadata", "labels")
+			if fmt.Sprint(minAvailable) != "1" || len(selector) == 0 || !labels.SelectorFromSet(selector).Matches(labels.Set(podLabels)) {
+				t.Errorf("budget minAvailable %v selecting %v, pods labelled %v; want 1 manager pod kept", minAvailable, selector, podLabels)
+			}
+		})
+	}
+	if _, ok := byKindName(render(t, "--set", "manager.replicas=1"))["PodDisruptionBudget/sluice-manager"]; ok {
+		t.Error("with one replica the chart renders a budget that would block every drain")
+	}
 }

@@ -391,7 +391,7 @@ func update(t *testing.T, k8s client.Client, key types.NamespacedName, change fu
 	}
 }
 
-func waitFor(t *testing.T, timeout time.Duration, f func() error) {
+func waitFor(t testing.TB, timeout time.Duration, f func() error) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {

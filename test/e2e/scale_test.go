@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,29 +28,37 @@ import (
 	"github.com/sluice-dev/sluice/test/local"
 )
 
-// After settling, a thousand idle policies cause no writes: the manager reads their replicas'
-// reports every interval (its default, 10s) and writes only what changed. 980 policies have
-// pods that no kubelet runs, as on a cluster short of nodes; 20 have enforcers that run and
-// report. The writes of every kind the manager writes are counted through watches for two
-// minutes, and the manager's own metrics show it kept reconciling meanwhile.
-func TestStatusWhenAThousandPoliciesIdleThenNothingIsWritten(t *testing.T) {
+// After settling, 200 idle policies cause no writes and no applies: the manager reads their
+// replicas' reports every interval (its default, 10s) and writes only what changed. 190 policies
+// have pods that no kubelet runs, as on a cluster short of nodes; 10 have enforcers that run and
+// report. The writes of every kind the manager writes are counted through watches for 40 s, four
+// report intervals, and the manager's own metrics show it kept reconciling meanwhile, and sent no
+// apply. The thousand-policy run of the same test is in the benchmark tier (make bench).
+func TestStatusWhenPoliciesIdleThenNothingIsWrittenOrApplied(t *testing.T) {
+	idlePolicies(t, 10, 190, 40*time.Second)
+}
+
+// idlePolicies creates running policies whose enforcers run and pending ones whose pods wait for
+// a node, waits until they settle, then counts the manager's writes and applies for d: none.
+func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 	ctx := context.Background()
 	c := startCluster(t)
 	logs := newProcessLog(t)
 	metricsAddr, _ := local.FreeAddr()
 	mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:idle",
-		"--metrics-bind-address="+metricsAddr, "--kube-api-qps=200", "--kube-api-burst=400")
+		"--metrics-bind-address="+metricsAddr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(mgr.Stop)
 	upstream := okUpstream(t)
 	k8s := c.unthrottled(t)
-	running, pending := makeNamespace(t, k8s, "idle-running-"), makeNamespace(t, k8s, "idle-pending-")
-	c.runPods(t, running, upstream.URL, logs)
+	runningNS, pendingNS := makeNamespace(t, k8s, "idle-running-"), makeNamespace(t, k8s, "idle-pending-")
+	c.runPods(t, runningNS, upstream.URL, logs)
 	created := time.Now()
-	populate(t, k8s, running, 20)
-	populate(t, k8s, pending, 980)
+	populate(t, k8s, runningNS, running)
+	populate(t, k8s, pendingNS, pending)
+	total := running + pending
 
 	// Settled: every policy Programmed at its generation, the running ones Ready, and no policy
 	// written for three intervals.
@@ -62,30 +72,34 @@ func TestStatusWhenAThousandPoliciesIdleThenNothingIsWritten(t *testing.T) {
 			if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionProgrammed); c != nil && c.Status == metav1.ConditionTrue && p.Status.ObservedGeneration == p.Generation {
 				programmed++
 			}
-			if p.Namespace == running && meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionReady) {
+			if p.Namespace == runningNS && meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionReady) {
 				ready++
 			}
 		}
-		if programmed != 1000 || ready != 20 {
-			return fmt.Errorf("%d of 1000 Programmed, %d of 20 running Ready", programmed, ready)
+		if programmed != total || ready != running {
+			return fmt.Errorf("%d of %d Programmed, %d of %d running Ready", programmed, total, ready, running)
 		}
 		return nil
 	})
-	t.Logf("1000 Programmed and the 20 running Ready %v after the first create", time.Since(created).Round(time.Second))
+	t.Logf("%d Programmed and the %d running Ready %v after the first create", total, running, time.Since(created).Round(time.Second))
 	quietFor(t, k8s, 30*time.Second, 5*time.Minute)
 	t.Logf("settled %v after the first create", time.Since(created).Round(time.Second))
 
-	before := scrapeSum(t, metricsAddr, `controller_runtime_reconcile_total{controller="ratelimitpolicy"`)
-	writes := countWrites(t, k8s, 2*time.Minute)
-	reconciles := scrapeSum(t, metricsAddr, `controller_runtime_reconcile_total{controller="ratelimitpolicy"`) - before
+	const reconciles, applies = `controller_runtime_reconcile_total{controller="ratelimitpolicy"`, "sluice_manager_applies_total{"
+	reconciledBefore, appliedBefore := scrapeSum(t, metricsAddr, reconciles), scrapeSum(t, metricsAddr, applies)
+	writes := countWrites(t, k8s, d)
+	reconciled, applied := scrapeSum(t, metricsAddr, reconciles)-reconciledBefore, scrapeSum(t, metricsAddr, applies)-appliedBefore
 	if len(writes) > 0 {
-		t.Errorf("writes in 2 minutes of 1000 idle policies: %v, want none", writes)
+		t.Errorf("writes in %v of %d idle policies: %v, want none", d, total, writes)
 	}
-	// Every policy is read again each interval: 12 rounds in 2 minutes; at least half must have run.
-	if reconciles < 1000*12/2 {
-		t.Errorf("%v reconciles in 2 minutes, want at least 6000: the manager stopped reading reports", reconciles)
+	if applied > 0 {
+		t.Errorf("%v applies in %v of %d idle policies, want none: a report-only reconcile applied", applied, d, total)
 	}
-	t.Logf("2 minutes of 1000 idle policies: %v reconciles, 0 writes", reconciles)
+	// Every policy is read again each interval; at least half the rounds must have run.
+	if rounds := int(d / (10 * time.Second)); reconciled < float64(total*rounds/2) {
+		t.Errorf("%v reconciles in %v, want at least %d: the manager stopped reading reports", reconciled, d, total*rounds/2)
+	}
+	t.Logf("%v of %d idle policies: %v reconciles, 0 writes, 0 applies", d, total, reconciled)
 }
 
 func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
@@ -237,6 +251,10 @@ func scrapeSum(t testing.TB, addr, prefix string) float64 {
 // manager's CPU time and peak resident memory over the whole run too. Each enforcer process
 // holds about 15 MB: a thousand need about 16 GB.
 //
+// With SLUICE_BENCH_PROFILE=<dir> it writes the manager's CPU profiles of the first 60 s after
+// the first create (rollout.pprof) and of the steady minute (steady.pprof), and its heap at
+// steady state (heap.pprof), into dir.
+//
 //	SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench PoliciesReachReady -benchtime 1x -timeout 60m ./test/e2e/
 func BenchmarkPoliciesReachReady(b *testing.B) {
 	n := 100
@@ -246,8 +264,22 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 	for b.Loop() {
 		ctx := context.Background()
 		c := startCluster(b)
-		logs := &local.Output{}
-		mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, "--enforcer-image=sluice-enforcer:bench")
+		var logs io.Writer = &local.Output{}
+		if path := os.Getenv("SLUICE_BENCH_LOG"); path != "" {
+			f, err := os.Create(path)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { _ = f.Close() })
+			logs = f
+		}
+		profiles := os.Getenv("SLUICE_BENCH_PROFILE")
+		pprofAddr, _ := local.FreeAddr()
+		args := []string{"--enforcer-image=sluice-enforcer:bench"}
+		if profiles != "" {
+			args = append(args, "--pprof-bind-address="+pprofAddr)
+		}
+		mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, logs, args...)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -257,7 +289,14 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		ns := makeNamespace(b, k8s, "bench-")
 		c.runPods(b, ns, upstream.URL, logs)
 
+		var profiling sync.WaitGroup
+		profile := func(file, path string) {
+			if profiles != "" {
+				profiling.Go(func() { saveProfile(b, filepath.Join(profiles, file), "http://"+pprofAddr+path) })
+			}
+		}
 		start := time.Now()
+		profile("rollout.pprof", "/debug/pprof/profile?seconds=60")
 		populate(b, k8s, ns, n)
 		var programmed, ready time.Duration
 		for programmed == 0 || ready == 0 {
@@ -287,7 +326,10 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		}
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		cpuBefore, _ := mgr.Usage()
+		profile("steady.pprof", "/debug/pprof/profile?seconds=55")
 		writes := countWrites(b, k8s, time.Minute)
+		profile("heap.pprof", "/debug/pprof/heap?gc=1")
+		profiling.Wait()
 		cpuSteady, _ := mgr.Usage()
 		total := 0
 		for _, w := range writes {
@@ -300,5 +342,75 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		b.ReportMetric(cpu.Seconds(), "manager-cpu-s")
 		b.ReportMetric(100*(cpuSteady-cpuBefore).Seconds()/60, "manager-cpu-%-steady")
 		b.ReportMetric(rss/(1<<20), "manager-MiB-peak-RSS")
+	}
+}
+
+// saveProfile writes what url serves to file.
+func saveProfile(t testing.TB, file, url string) {
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	defer func() { _ = resp.Body.Close() }()
+	data, err := io.ReadAll(resp.Body)
+	if err == nil {
+		err = os.WriteFile(file, data, 0o644)
+	}
+	if err != nil {
+		t.Error(err)
+	}
+}
+
+// BenchmarkManagerMemory creates SLUICE_BENCH_POLICIES policies (default 100) whose pods no
+// kubelet runs, waits until every one is Programmed and no status is written for 30 s, and
+// reports the manager's Go heap in use (go_memstats_heap_inuse_bytes, after the manager's own
+// GC) and its resident memory then, and its peak resident memory: the state the manager keeps
+// per policy, and its caches of every object it owns.
+//
+//	SLUICE_BENCH_POLICIES=3000 go test -run '^$' -bench ManagerMemory -benchtime 1x -timeout 60m ./test/e2e/
+func BenchmarkManagerMemory(b *testing.B) {
+	n := 100
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
+		n = v
+	}
+	for b.Loop() {
+		ctx := context.Background()
+		c := startCluster(b)
+		metricsAddr, _ := local.FreeAddr()
+		mgr, err := local.StartManager(ctx, c.env, c.managerBin, c.kubeconfig, &local.Output{}, "--enforcer-image=sluice-enforcer:bench",
+			"--metrics-bind-address="+metricsAddr)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(mgr.Stop)
+		k8s := c.unthrottled(b)
+		ns := makeNamespace(b, k8s, "memory-")
+		start := time.Now()
+		populate(b, k8s, ns, n)
+		waitFor(b, 30*time.Minute, func() error {
+			var list v1alpha1.RateLimitPolicyList
+			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
+				return err
+			}
+			done := 0
+			for _, p := range list.Items {
+				if meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) {
+					done++
+				}
+			}
+			if done != n {
+				return fmt.Errorf("%d of %d Programmed", done, n)
+			}
+			return nil
+		})
+		programmed := time.Since(start)
+		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")
+		_, peak := mgr.Usage()
+		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")
+		b.ReportMetric(heap/(1<<20), "manager-MiB-heap-inuse")
+		b.ReportMetric(mgr.RSS()/(1<<20), "manager-MiB-RSS")
+		b.ReportMetric(peak/(1<<20), "manager-MiB-peak-RSS")
 	}
 }

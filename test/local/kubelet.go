@@ -21,11 +21,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -47,8 +49,12 @@ import (
 type Kubelet struct {
 	opts KubeletOptions
 	k8s  client.Client
-	cfg  *rest.Config
-	bin  string
+	// watched holds the namespace's enforcer pods from a watch, as the kubelet watches its
+	// pods: listing a thousand pods from the API server ten times a second would load it more
+	// than everything it tests.
+	watched cache.Cache
+	cfg     *rest.Config
+	bin     string
 
 	mu   sync.Mutex
 	pods map[types.UID]*podRun
@@ -98,7 +104,27 @@ func StartKubelet(ctx context.Context, k8s client.Client, cfg *rest.Config, bin 
 		opts.Log = io.Discard
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	k := &Kubelet{opts: opts, k8s: k8s, cfg: cfg, bin: bin, pods: map[types.UID]*podRun{}, stop: cancel, done: make(chan struct{})}
+	watched, err := cache.New(cfg, cache.Options{
+		Scheme:            k8s.Scheme(),
+		DefaultNamespaces: map[string]cache.Config{opts.Namespace: {}},
+		ByObject: map[client.Object]cache.ByObject{&corev1.Pod{}: {
+			Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue}),
+		}},
+	})
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	if _, err := watched.GetInformer(ctx, &corev1.Pod{}); err != nil {
+		cancel()
+		return nil, err
+	}
+	go func() { _ = watched.Start(ctx) }()
+	if !watched.WaitForCacheSync(ctx) {
+		cancel()
+		return nil, errors.New("the kubelet's watch of pods did not sync")
+	}
+	k := &Kubelet{opts: opts, k8s: k8s, watched: watched, cfg: cfg, bin: bin, pods: map[types.UID]*podRun{}, stop: cancel, done: make(chan struct{})}
 	go k.loop(ctx)
 	return k, nil
 }
@@ -142,21 +168,36 @@ func (k *Kubelet) loop(ctx context.Context) {
 	}
 }
 
+// podWorkers is how many pods are synced at once.
+const podWorkers = 8
+
 // sync brings every pod one step closer to its spec.
 func (k *Kubelet) sync(ctx context.Context) {
 	var pods corev1.PodList
-	if err := k.k8s.List(ctx, &pods, client.InNamespace(k.opts.Namespace),
-		client.MatchingLabels{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue}); err != nil {
+	if err := k.watched.List(ctx, &pods, client.InNamespace(k.opts.Namespace)); err != nil {
 		return
 	}
 	seen := map[types.UID]bool{}
-	for i := range pods.Items {
-		pod := &pods.Items[i]
-		seen[pod.UID] = true
-		if err := k.syncPod(ctx, pod); err != nil && ctx.Err() == nil {
-			_, _ = fmt.Fprintf(k.opts.Log, "kubelet: pod %s: %v\n", pod.Name, err)
-		}
+	// Pods are synced by a few workers at once, as the kubelet's pod workers do: one pod's
+	// start, probe or status write does not wait for a thousand others'. A pod is synced by one
+	// worker at a time, and each sync waits for all of them.
+	var wg sync.WaitGroup
+	work := make(chan *corev1.Pod)
+	for range podWorkers {
+		wg.Go(func() {
+			for pod := range work {
+				if err := k.syncPod(ctx, pod); err != nil && ctx.Err() == nil {
+					_, _ = fmt.Fprintf(k.opts.Log, "kubelet: pod %s: %v\n", pod.Name, err)
+				}
+			}
+		})
 	}
+	for i := range pods.Items {
+		seen[pods.Items[i].UID] = true
+		work <- &pods.Items[i]
+	}
+	close(work)
+	wg.Wait()
 	// A pod deleted with no grace (or by a namespace's deletion) is gone already: stop its process.
 	k.mu.Lock()
 	defer k.mu.Unlock()

@@ -139,6 +139,21 @@ func (p *Process) Usage() (cpu time.Duration, peakRSS float64) {
 }
 
 // Signal sends sig to the process.
+// RSS is the process's resident memory now, in bytes, from /proc (Linux).
+func (p *Process) RSS() float64 {
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(p.cmd.Process.Pid) + "/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseFloat(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 64)
+			return kb * 1024
+		}
+	}
+	return 0
+}
+
 func (p *Process) Signal(sig os.Signal) error { return p.cmd.Process.Signal(sig) }
 
 // Wait waits for the process to end and returns how it ended: nil for exit status 0.

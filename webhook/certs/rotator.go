@@ -138,10 +138,14 @@ func (r *Rotator) Sync(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("load the certificate of secret %s: %w", r.Secret, err)
 	}
-	// The bundle goes out before the certificate it vouches for is served.
-	injectErr := r.injectCABundle(ctx, secret.Data[KeyCABundle])
+	// The bundle goes out before the certificate it vouches for is served: until every
+	// configuration holds it, the API server would refuse a certificate of a new CA, so the
+	// previous certificate, which it trusts, is served on and the sync is tried again.
+	if err := r.injectCABundle(ctx, secret.Data[KeyCABundle]); err != nil {
+		return err
+	}
 	r.current.Store(&cert)
-	return injectErr
+	return nil
 }
 
 // ensureSecret renews what is due and writes the Secret. A conflict with another replica is

@@ -6,9 +6,12 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,10 +20,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	clocktesting "k8s.io/utils/clock/testing"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
@@ -193,4 +198,91 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// A certificate is served only once the CA that signed it is in the caBundle of the webhook
+// configurations: when the bundle update fails after a CA renewal, the previous certificate,
+// which the API server trusts, is served on, and the new one once the update goes through.
+func TestRotatorWhenTheBundleUpdateFailsThenThePreviousCertificateIsServedOn(t *testing.T) {
+	tier.Needs(t, "the test control plane")
+	env, err := testenv.Start(testenv.WithWebhooks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	scheme := runtime.NewScheme()
+	_ = clientgoscheme.AddToScheme(scheme)
+	k8s, _ := client.New(env.Config, client.Options{Scheme: scheme})
+	var failing atomic.Bool
+	flaky := interceptor.NewClient(noWatch{k8s}, interceptor.Funcs{
+		Update: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.UpdateOption) error {
+			if _, ok := o.(*admissionregistrationv1.ValidatingWebhookConfiguration); ok && failing.Load() {
+				return errors.New("etcdserver: request timed out")
+			}
+			return c.Update(ctx, o, opts...)
+		},
+	})
+	clk := clocktesting.NewFakeClock(time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC))
+	host := "sluice-webhook-service.default.svc"
+	rotator := &certs.Rotator{
+		Client:             flaky,
+		Secret:             types.NamespacedName{Namespace: "default", Name: "sluice-webhook-certs"},
+		Hosts:              []string{host},
+		ValidatingWebhooks: []string{"validating-webhook-configuration"},
+		CAValidity:         30 * time.Hour, // renewed at 20h
+		CertValidity:       24 * time.Hour, // renewed at 16h, valid until 24h
+		Clock:              clk,
+	}
+	ctx := context.Background()
+	// trusted says whether the served certificate is trusted by the bundle the API server has.
+	trusted := func() error {
+		var cfg admissionregistrationv1.ValidatingWebhookConfiguration
+		if err := k8s.Get(ctx, client.ObjectKey{Name: "validating-webhook-configuration"}, &cfg); err != nil {
+			return err
+		}
+		pool := x509.NewCertPool()
+		pool.AppendCertsFromPEM(cfg.Webhooks[0].ClientConfig.CABundle)
+		served, err := rotator.GetCertificate(nil)
+		if err != nil {
+			return err
+		}
+		leaf, err := x509.ParseCertificate(served.Certificate[0])
+		if err != nil {
+			return err
+		}
+		_, err = leaf.Verify(x509.VerifyOptions{Roots: pool, DNSName: host, CurrentTime: clk.Now()})
+		return err
+	}
+	if err := rotator.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := trusted(); err != nil {
+		t.Fatalf("after the first sync: %v", err)
+	}
+	failing.Store(true)
+	clk.Step(21 * time.Hour) // the CA and the certificate are both due
+	if err := rotator.Sync(ctx); err == nil {
+		t.Fatal("the sync succeeded although the bundle update failed")
+	}
+	if err := trusted(); err != nil {
+		t.Errorf("when the bundle update failed after a CA renewal then the served certificate is not trusted: %v", err)
+	}
+	failing.Store(false)
+	if err := rotator.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := trusted(); err != nil {
+		t.Errorf("after the bundle update went through: %v", err)
+	}
+	served, _ := rotator.GetCertificate(nil)
+	if leaf, _ := x509.ParseCertificate(served.Certificate[0]); !strings.Contains(leaf.Issuer.CommonName, strconv.FormatInt(clk.Now().Unix(), 10)) {
+		t.Errorf("the certificate served after the update is issued by %s, want the CA made at %v", leaf.Issuer.CommonName, clk.Now())
+	}
+}
+
+// noWatch lets a plain client stand where the interceptor wants a client.WithWatch.
+type noWatch struct{ client.Client }
+
+func (noWatch) Watch(context.Context, client.ObjectList, ...client.ListOption) (watch.Interface, error) {
+	return nil, errors.New("no watch")
 }

@@ -1,0 +1,436 @@
+package controllers
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/managedfields"
+	"k8s.io/client-go/applyconfigurations"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers/render"
+)
+
+// apply brings each rendered object to what server-side apply of its request leaves, and deletes
+// the objects no longer rendered (the managed Redis when storage changes, the
+// PodDisruptionBudget at one replica). An object is applied when its request differs from the
+// one last applied, or when the live object does not hold what the request makes it (see
+// applyReason): a changed or removed field, a hand edit, a deleted object. Otherwise nothing is
+// sent, and an object whose request and resourceVersion are both those of the last look is not
+// even compared again: a report-only reconcile costs no apply. A hand edit is put back with an
+// event that says what.
+func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
+	// A difference is drift, put back with an event, only when the spec is the one already
+	// programmed: after a change of the spec, new and changed objects are simply the change.
+	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
+		p.Status.ObservedGeneration == p.Generation
+	// Two waves, the objects of each applied at once: first what the enforcer pods need to start
+	// (their ConfigMap, ServiceAccount and its Role, the managed Redis), then the Deployment that
+	// makes them, its Service and its budget. A policy costs two round trips, not nine.
+	var first, second []client.Object
+	for _, obj := range objs.All() {
+		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) {
+			second = append(second, obj)
+		} else {
+			first = append(first, obj)
+		}
+	}
+	for _, wave := range [][]client.Object{first, second} {
+		errs := make([]error, len(wave))
+		var wg sync.WaitGroup
+		for i, obj := range wave {
+			wg.Go(func() { errs[i] = r.applyOne(ctx, p, obj, programmed) })
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			return err
+		}
+	}
+	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
+	var unwanted []client.Object
+	if objs.PDB == nil {
+		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+	}
+	if objs.RedisDeployment == nil {
+		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
+		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
+	}
+	for _, obj := range unwanted {
+		if err := r.deleteOwned(ctx, p, obj); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// programmed is what applying a policy's objects established: enough for status, and the
+// objects to look at to know they are still as they were left.
+type programmed struct {
+	uid                                           types.UID
+	generation                                    int64
+	defaults                                      render.Defaults
+	revision, service, image, storage, deployment string
+	replicas                                      int32
+	objects                                       []objectKey
+}
+
+// remember records what applying objs for p established.
+func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects) *programmed {
+	prog := &programmed{
+		uid: p.UID, generation: p.Generation, defaults: r.Defaults,
+		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
+		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
+	}
+	for _, o := range objs.All() {
+		prog.objects = append(prog.objects, objectKey{kind: o.GetObjectKind().GroupVersionKind().Kind, name: o.GetName()})
+	}
+	r.mem.programmed.Store(client.ObjectKeyFromObject(p), prog)
+	return prog
+}
+
+// current returns what the last full apply of p established if nothing has changed since on
+// either side: the same policy generation and defaults, and every object at the
+// resourceVersion it was left at. Otherwise nil: render and apply.
+func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy) *programmed {
+	key := client.ObjectKeyFromObject(p)
+	v, ok := r.mem.programmed.Load(key)
+	if !ok {
+		return nil
+	}
+	prog := v.(*programmed)
+	if prog.uid != p.UID || prog.generation != p.Generation || prog.defaults != r.Defaults {
+		return nil
+	}
+	for _, o := range prog.objects {
+		live := newObject(o.kind)
+		last, ok := r.mem.applied.get(key, o)
+		if live == nil || !ok || r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: o.name}, live) != nil ||
+			live.GetResourceVersion() != last.resourceVersion {
+			return nil
+		}
+	}
+	return prog
+}
+
+// newObject is an empty object of one of the kinds the controller renders.
+func newObject(kind string) client.Object {
+	switch kind {
+	case "ConfigMap":
+		return &corev1.ConfigMap{}
+	case "ServiceAccount":
+		return &corev1.ServiceAccount{}
+	case "Role":
+		return &rbacv1.Role{}
+	case "RoleBinding":
+		return &rbacv1.RoleBinding{}
+	case "Deployment":
+		return &appsv1.Deployment{}
+	case "Service":
+		return &corev1.Service{}
+	case "PodDisruptionBudget":
+		return &policyv1.PodDisruptionBudget{}
+	}
+	return nil
+}
+
+// applyOne applies obj when applying would change it (see apply).
+func (r *RateLimitPolicyReconciler) applyOne(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object, programmed bool) error {
+	policyKey := client.ObjectKeyFromObject(p)
+	desired, request, err := applyRequest(obj)
+	if err != nil {
+		return err
+	}
+	key := objectKey{kind: desired.GetKind(), name: desired.GetName()}
+	last, seen := r.mem.applied.get(policyKey, key)
+	live := obj.DeepCopyObject().(client.Object)
+	var reason string
+	switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
+	case apierrors.IsNotFound(err):
+		reason = "the object was deleted"
+		if !programmed {
+			reason = "the object does not exist"
+		}
+	case err != nil:
+		return err
+	default:
+		if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+			if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
+				// A policy deleted and created again: garbage collection is about to remove
+				// the old one's objects, and their deletion brings us back here.
+				return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
+			}
+			return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
+		}
+		if seen && last.request == request && last.resourceVersion == live.GetResourceVersion() {
+			return nil // nothing changed on either side since the last look
+		}
+		if seen && last.request != request {
+			reason = "the rendered request changed"
+		} else if reason, err = applyReason(desired, live); err != nil {
+			return err
+		}
+		if reason == "" {
+			r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: live.GetResourceVersion()})
+			return nil
+		}
+	}
+	if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
+		return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
+	}
+	appliesTotal.WithLabelValues(desired.GetKind()).Inc()
+	// The answer is the object as applied; its resourceVersion is the one the cache will show.
+	r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
+	drift := ""
+	if programmed && (!seen || last.request == request) {
+		drift = reason
+	}
+	log.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
+	if drift != "" && r.Recorder != nil {
+		r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
+			"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
+	}
+	return nil
+}
+
+// applyRequest is the apply request of a rendered object, as unstructured, and its digest.
+func applyRequest(obj client.Object) (*unstructured.Unstructured, [sha256.Size]byte, error) {
+	u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
+	if err != nil {
+		return nil, [sha256.Size]byte{}, err
+	}
+	desired := &unstructured.Unstructured{Object: u}
+	unstructured.RemoveNestedField(desired.Object, "status")
+	unstructured.RemoveNestedField(desired.Object, "metadata", "creationTimestamp")
+	unstructured.RemoveNestedField(desired.Object, "spec", "template", "metadata", "creationTimestamp")
+	data, err := json.Marshal(desired.Object) // map keys sorted: the same request, the same bytes
+	if err != nil {
+		return nil, [sha256.Size]byte{}, err
+	}
+	return desired, sha256.Sum256(data), nil
+}
+
+// applyReason tells why applying want would change live, or "" when it would not. Server-side
+// apply makes FieldOwner own exactly the fields of the request, at the request's values: so live
+// is current when the fields FieldOwner owns are exactly those of want (none missing: taken by
+// another manager's edit, or added to the rendering; none extra: removed from the rendering,
+// which applying deletes) and every value of want is live's. Fields others own beyond want,
+// such as defaults and status, do not count.
+func applyReason(want *unstructured.Unstructured, live client.Object) (string, error) {
+	tv, err := typeConverter().ObjectToTyped(want)
+	if err != nil {
+		return "", fmt.Errorf("type %s %s: %w", want.GetKind(), want.GetName(), err)
+	}
+	wantSet, err := tv.ToFieldSet()
+	if err != nil {
+		return "", fmt.Errorf("fields of %s %s: %w", want.GetKind(), want.GetName(), err)
+	}
+	wantSet = wantSet.Difference(strippedFields)
+	owned, err := ownedFields(live.GetManagedFields(), FieldOwner)
+	if err != nil {
+		return "", err
+	}
+	if owned == nil {
+		return "it has no fields applied by " + FieldOwner, nil
+	}
+	if extra := owned.Difference(wantSet).Leaves(); !extra.Empty() {
+		return firstPath(extra) + " is no longer rendered", nil
+	}
+	if missing := wantSet.Difference(owned).Leaves(); !missing.Empty() {
+		path := firstPath(missing)
+		for _, m := range live.GetManagedFields() {
+			if set, err := ownedFields([]metav1.ManagedFieldsEntry{m}, m.Manager); err == nil && set != nil && set.Has(pathOf(missing)) {
+				return path + " was set by " + m.Manager, nil
+			}
+		}
+		return path + " is not applied", nil
+	}
+	liveU, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
+	if err != nil {
+		return "", err
+	}
+	if field, differs := firstDifference(liveU, want.Object, ""); differs {
+		return field[1:] + " differed from the policy", nil
+	}
+	return "", nil
+}
+
+// strippedFields are the fields the API server leaves out of managed fields.
+var strippedFields = fieldpath.NewSet(
+	fieldpath.MakePathOrDie("apiVersion"),
+	fieldpath.MakePathOrDie("kind"),
+	fieldpath.MakePathOrDie("metadata"),
+	fieldpath.MakePathOrDie("metadata", "name"),
+	fieldpath.MakePathOrDie("metadata", "namespace"),
+	fieldpath.MakePathOrDie("metadata", "creationTimestamp"),
+	fieldpath.MakePathOrDie("metadata", "uid"),
+	fieldpath.MakePathOrDie("metadata", "generation"),
+	fieldpath.MakePathOrDie("metadata", "resourceVersion"),
+	fieldpath.MakePathOrDie("metadata", "managedFields"),
+)
+
+// typeConverter types the built-in kinds with the schema client-go's apply configurations carry,
+// the one the API server uses; made once, on first use.
+var typeConverter = sync.OnceValue(func() managedfields.TypeConverter {
+	return applyconfigurations.NewTypeConverter(clientgoscheme.Scheme)
+})
+
+// ownedFields is the union of the fields manager applied (not updated) to the object itself
+// (not a subresource), or nil when it applied none.
+func ownedFields(entries []metav1.ManagedFieldsEntry, manager string) (*fieldpath.Set, error) {
+	var owned *fieldpath.Set
+	for _, e := range entries {
+		if e.Manager != manager || e.Subresource != "" || e.FieldsV1 == nil ||
+			manager == FieldOwner && e.Operation != metav1.ManagedFieldsOperationApply {
+			continue
+		}
+		set := &fieldpath.Set{}
+		if err := set.FromJSON(e.FieldsV1.GetRawReader()); err != nil {
+			return nil, fmt.Errorf("managed fields of %s: %w", manager, err)
+		}
+		if owned == nil {
+			owned = set
+		} else {
+			owned = owned.Union(set)
+		}
+	}
+	return owned, nil
+}
+
+// pathOf is the first path of a set, in its own order.
+func pathOf(s *fieldpath.Set) fieldpath.Path {
+	var first fieldpath.Path
+	s.Iterate(func(p fieldpath.Path) {
+		if first == nil {
+			first = p.Copy()
+		}
+	})
+	return first
+}
+
+// firstPath names the first path of a set without its leading dot.
+func firstPath(s *fieldpath.Set) string { return strings.TrimPrefix(pathOf(s).String(), ".") }
+
+// firstDifference returns the path of the first field of want that got lacks or holds with
+// another value, and whether there is one. Fields that got has beyond want (defaults the API
+// server set, status) do not count; lists must match item by item.
+func firstDifference(got, want any, path string) (string, bool) {
+	switch w := want.(type) {
+	case map[string]any:
+		g, _ := got.(map[string]any)
+		for _, k := range slices.Sorted(maps.Keys(w)) {
+			if w[k] == nil {
+				continue
+			}
+			if p, differs := firstDifference(g[k], w[k], path+"."+k); differs {
+				return p, true
+			}
+		}
+		return "", false
+	case []any:
+		g, _ := got.([]any)
+		if len(g) != len(w) {
+			return path, true
+		}
+		for i := range w {
+			if p, differs := firstDifference(g[i], w[i], fmt.Sprintf("%s[%d]", path, i)); differs {
+				return p, true
+			}
+		}
+		return "", false
+	default:
+		return path, !equality.Semantic.DeepEqual(got, want)
+	}
+}
+
+// objectKey names one of a policy's objects; they share the policy's namespace.
+type objectKey struct{ kind, name string }
+
+// applied is what the controller last knew of an object it applies: the digest of the request
+// it last applied, and the object's resourceVersion when it last held what that request makes it.
+type applied struct {
+	request         [sha256.Size]byte
+	resourceVersion string
+}
+
+// appliedCache remembers applied per object, by policy, as cluster-api's SSA cache does. It lives
+// in the manager's memory: after a restart every object is compared once.
+type appliedCache struct {
+	mu       sync.Mutex
+	policies map[types.NamespacedName]map[objectKey]applied
+}
+
+func (c *appliedCache) get(policy types.NamespacedName, key objectKey) (applied, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	a, ok := c.policies[policy][key]
+	return a, ok
+}
+
+func (c *appliedCache) set(policy types.NamespacedName, key objectKey, a applied) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.policies == nil {
+		c.policies = map[types.NamespacedName]map[objectKey]applied{}
+	}
+	if c.policies[policy] == nil {
+		c.policies[policy] = map[objectKey]applied{}
+	}
+	c.policies[policy][key] = a
+}
+
+func (c *appliedCache) forget(policy types.NamespacedName) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.policies, policy)
+}
+
+// stalledRecheck is how often a policy stalled by an object in its way looks again.
+const stalledRecheck = 5 * time.Minute
+
+// notOwnedError says that an object the policy renders exists and belongs to something else.
+// The controller never takes such an object over.
+type notOwnedError struct{ kind, name string }
+
+func (e *notOwnedError) Error() string {
+	return fmt.Sprintf("%s %s exists and is not owned by this policy: delete or rename it, or rename the policy", e.kind, e.name)
+}
+
+// deleteOwned deletes obj if it exists and the policy controls it.
+func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object) error {
+	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	if owner := metav1.GetControllerOf(obj); owner == nil || owner.UID != p.UID {
+		return nil
+	}
+	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
+	return nil
+}
