@@ -110,7 +110,7 @@ cat >"$work/random-client.lua" <<'EOF'
 -- Each request describes a request of one of 10,000 clients, drawn at random.
 math.randomseed(os.time())
 request = function()
-  return wrk.format("GET", "/", {["X-Original-Method"] = "GET", ["X-Original-URL"] = "/", ["X-Client"] = tostring(math.random(10000))})
+  return wrk.format("GET", "/auth-request", {["X-Original-Method"] = "GET", ["X-Original-URL"] = "/", ["X-Client"] = tostring(math.random(10000))})
 end
 EOF
 out=$(wrk -t2 -c50 -d"${secs}s" --latency -s "$work/random-client.lua" "http://127.0.0.1:$CHECK/")
