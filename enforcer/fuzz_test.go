@@ -215,6 +215,7 @@ func FuzzCheckAPI(f *testing.F) {
 				return
 			}
 			_, _ = io.Copy(io.Discard, resp.Body)
+			_ = resp.Body.Close()
 			if !checkStatuses[resp.StatusCode] {
 				t.Fatalf("the check API answered %d", resp.StatusCode)
 			}

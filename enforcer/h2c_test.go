@@ -56,13 +56,6 @@ func (c *h2cConn) send(method, path string, header ...string) uint32 {
 	return id
 }
 
-// reset cancels a stream, as a client that leaves does.
-func (c *h2cConn) reset(id uint32) {
-	if err := c.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
-		c.t.Fatal(err)
-	}
-}
-
 // status reads frames until the response header of stream id arrives, and returns its status;
 // -1 if the server ends the stream or the connection first.
 func (c *h2cConn) status(id uint32) int {
