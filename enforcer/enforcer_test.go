@@ -495,6 +495,11 @@ func TestCheckAPIWhenTheClientSendsTheOtherCallersHeadersThenTheyAreIgnored(t *t
 	if s := get(t, auth, spoofN...).StatusCode; s != http.StatusForbidden {
 		t.Errorf("nginx endpoint with the client's X-Forwarded-*: %d, want 403 (the /admin limit is spent)", s)
 	}
+	// nginx builds X-Original-URL from the client's Host: one whose port does not parse must not
+	// make the URI unreadable and the decision one on no path.
+	if s := get(t, auth, "X-Original-Method", "GET", "X-Original-Url", "http://shop.example:notaport/admin/x").StatusCode; s != http.StatusForbidden {
+		t.Errorf("nginx endpoint, a Host with an unparseable port: %d, want 403 (the /admin limit is spent)", s)
+	}
 	for name, raw := range map[string]string{
 		"repeated uri":        "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: /public\r\nX-Forwarded-Uri: /admin\r\n",
 		"not a path":          "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: admin\r\n",

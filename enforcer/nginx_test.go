@@ -1,9 +1,7 @@
 package enforcer_test
 
 import (
-	"bufio"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -15,6 +13,7 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/test/local"
 	"github.com/sluice-dev/sluice/test/tier"
 )
 
@@ -128,21 +127,11 @@ const authLocation = `location = /_external-auth {
 // rawStatus sends one raw request on a connection of its own and returns the status.
 func rawStatus(t *testing.T, addr, request string) int {
 	t.Helper()
-	conn, err := net.Dial("tcp", addr)
+	status, err := local.RawStatus(addr, request)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = conn.Close() }()
-	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := io.WriteString(conn, request); err != nil {
-		t.Fatal(err)
-	}
-	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-	if err != nil {
-		t.Fatalf("%q: %v", request, err)
-	}
-	_ = resp.Body.Close()
-	return resp.StatusCode
+	return status
 }
 
 // startNginx runs the real nginx with a configuration until the test ends.

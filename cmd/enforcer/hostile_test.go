@@ -123,21 +123,11 @@ func (h *hostile) metric(t *testing.T, series string) float64 {
 
 func raw(t *testing.T, addr, request string) int {
 	t.Helper()
-	conn, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close() }()
-	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.WriteString(conn, request); err != nil {
-		t.Fatal(err)
-	}
-	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	status, err := local.RawStatus(addr, request)
 	if err != nil {
 		return -1
 	}
-	_ = resp.Body.Close()
-	return resp.StatusCode
+	return status
 }
 
 // A Host of 300 bytes once panicked the proxy (a 256-byte buffer sliced past its end), and every

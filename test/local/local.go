@@ -5,6 +5,7 @@
 package local
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -255,4 +256,24 @@ func Tool(name string) (string, error) {
 		return "", fmt.Errorf("hack/tool.sh %s: %w: %s", name, err, stderr.String())
 	}
 	return strings.TrimSpace(string(out)), nil
+}
+
+// RawStatus sends one request, byte for byte as given, on a connection of its own and returns the
+// status of the response: for requests no client library would send.
+func RawStatus(addr, request string) (int, error) {
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = conn.Close() }()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(conn, request); err != nil {
+		return 0, err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		return 0, fmt.Errorf("%.40q: %w", request, err)
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode, nil
 }
