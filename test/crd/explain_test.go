@@ -27,7 +27,7 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 		return strings.Join(strings.Fields(string(out)), " ")
 	}
 	for _, c := range []struct {
-		name, field string
+		name, field   string
 		want, notWant []string
 	}{
 		{
