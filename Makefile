@@ -77,9 +77,10 @@ redis-server: ## Make sure redis-server and redis-cli exist (the tests start the
 	@hack/ensure-redis.sh
 
 .PHONY: tools
-tools: ## Build helm and promtool once per machine (the tests run them on the chart and the alerts); print their paths.
+tools: ## Build helm, promtool and traefik once per machine (the tests run them on the chart, the alerts and the Gateway API); print their paths.
 	@hack/tool.sh helm
 	@hack/tool.sh promtool
+	@hack/tool.sh traefik
 
 .PHONY: envtest
 envtest: ## Build the test control plane (kube-apiserver, etcd) once per machine; print its path.
@@ -93,6 +94,7 @@ test-unit: ## Run the fast tier: every test that needs neither the control plane
 test: redis-server ## Run all tests against a real API server, real Redis and real nginx.
 	@hack/ensure-nginx.sh
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" HELM="$$(hack/tool.sh helm)" PROMTOOL="$$(hack/tool.sh promtool)" \
+		TRAEFIK="$$(hack/tool.sh traefik)" \
 		go test -race -count=1 -timeout 30m ./...
 
 .PHONY: bench
