@@ -37,6 +37,14 @@ type Option func(*options)
 type options struct {
 	webhooks, controllers, noCRDs bool
 	extraControllers, extraCRDs   []string
+	advertiseAddress              string
+}
+
+// WithAdvertiseAddress gives the API server the address it advertises to the cluster's
+// members. It finds one from the default route by itself, so a test in a network namespace with
+// no route out (local.RunInPodNetwork) must name one.
+func WithAdvertiseAddress(ip string) Option {
+	return func(o *options) { o.advertiseAddress = ip }
 }
 
 // WithoutCRDs leaves the CRDs out, for a test that installs them itself (the Helm chart does).
@@ -95,6 +103,9 @@ func Start(opts ...Option) (*Env, error) {
 	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
 	// has an enforcer Service.
 	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
+	if o.advertiseAddress != "" {
+		env.ControlPlane.GetAPIServer().Configure().Set("advertise-address", o.advertiseAddress)
+	}
 	if o.webhooks {
 		env.WebhookInstallOptions.Paths = []string{filepath.Join(RepoRoot(), "config", "webhook", "manifests.yaml")}
 	}
