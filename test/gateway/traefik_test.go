@@ -300,7 +300,10 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 	// its own, from the application.
 	for _, path := range []string{"/proxy/ready", "/auth/ready"} {
 		waitFor(t, 30*time.Second, func() error {
-			r := get(t, gateway+path, "ready"+path)
+			r, err := tryGet(gateway+path, "ready"+path)
+			if err != nil {
+				return err
+			}
 			if r.status != http.StatusOK || r.body != "ok" {
 				return fmt.Errorf("GET %s through Traefik: %d %q", path, r.status, r.body)
 			}
@@ -547,19 +550,27 @@ type answer struct {
 // get sends GET url as client (X-Client).
 func get(t *testing.T, url, clientKey string) answer {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, url, nil)
+	r, err := tryGet(url, clientKey)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return r
+}
+
+func tryGet(url, clientKey string) (answer, error) {
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return answer{}, err
 	}
 	req.Header.Set("X-Client", clientKey)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		t.Fatal(err)
+		return answer{}, err
 	}
 	defer func() { _ = resp.Body.Close() }()
 	var body bytes.Buffer
 	_, _ = io.Copy(&body, io.LimitReader(resp.Body, 1<<16))
-	return answer{resp.StatusCode, resp.Header, strings.TrimSpace(body.String())}
+	return answer{resp.StatusCode, resp.Header, strings.TrimSpace(body.String())}, nil
 }
 
 func waitFor(t *testing.T, timeout time.Duration, f func() error) {
