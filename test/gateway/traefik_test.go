@@ -148,7 +148,7 @@ kind: Middleware
 metadata: {name: sluice, namespace: {{ns}}}
 spec:
   forwardAuth:
-    address: {{check}}/
+    address: {{check}}/forward-auth
     authResponseHeaders: [RateLimit-Policy, RateLimit, Retry-After]
 ---
 apiVersion: gateway.networking.k8s.io/v1
