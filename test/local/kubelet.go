@@ -73,7 +73,7 @@ type KubeletOptions struct {
 	FileRefresh time.Duration
 	// PodNetwork is where pod IPs come from; 127.0.0.0/8 when unset. The API server refuses
 	// loopback addresses in EndpointSlices, so a test that routes to a Service's endpoints (a
-	// gateway does) needs another network whose every address is local: see PodNetworkFromEnv.
+	// gateway does) needs another network whose every address is local: see RunInPodNetwork.
 	PodNetwork netip.Prefix
 }
 
@@ -500,7 +500,9 @@ func freeIP(network netip.Prefix, ports []corev1.ContainerPort) (string, error) 
 		n := binary.BigEndian.Uint32(base[:]) + 1 + rand.Uint32N(uint32(1)<<hostBits-2)
 		var a [4]byte
 		binary.BigEndian.PutUint32(a[:], n)
-		if a[3] == 0 || a[3] == 255 {
+		// Neither a subnet's network nor broadcast address, nor 127.0.x.y, where the tests' own
+		// servers listen.
+		if a[3] == 0 || a[3] == 255 || a[0] == 127 && a[1] == 0 {
 			continue
 		}
 		ip := netip.AddrFrom4(a).String()
