@@ -502,7 +502,7 @@ func freeIP(network netip.Prefix, ports []corev1.ContainerPort) (string, error) 
 		binary.BigEndian.PutUint32(a[:], n)
 		// Neither a subnet's network nor broadcast address, nor 127.0.x.y, where the tests' own
 		// servers listen.
-		if a[3] == 0 || a[3] == 255 || a[0] == 127 && a[1] == 0 {
+		if a[3] == 0 || a[3] == 255 || (a[0] == 127 && a[1] == 0) {
 			continue
 		}
 		ip := netip.AddrFrom4(a).String()
