@@ -35,6 +35,7 @@ manifests: ## Generate the CRD, RBAC and webhook manifests from markers.
 	@# The Helm chart installs config/'s generated objects, its alerts and dashboard, from copies.
 	cp config/crd/bases/ratelimit.sluice.dev_ratelimitpolicies.yaml charts/sluice/files/crd.yaml
 	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml charts/sluice/files/
+	cp config/rbac/ratelimitpolicy_editor_role.yaml config/rbac/ratelimitpolicy_viewer_role.yaml charts/sluice/files/
 	cp config/webhook/manifests.yaml charts/sluice/files/webhook.yaml
 	cp config/prometheus/prometheusrule.yaml config/grafana/sluice.json charts/sluice/files/
 
@@ -76,9 +77,10 @@ redis-server: ## Make sure redis-server and redis-cli exist (the tests start the
 	@hack/ensure-redis.sh
 
 .PHONY: tools
-tools: ## Build helm and promtool once per machine (the tests run them on the chart and the alerts); print their paths.
+tools: ## Build helm, promtool and traefik once per machine (the tests run them on the chart, the alerts and the Gateway API); print their paths.
 	@hack/tool.sh helm
 	@hack/tool.sh promtool
+	@hack/tool.sh traefik
 
 .PHONY: envtest
 envtest: ## Build the test control plane (kube-apiserver, etcd) once per machine; print its path.
@@ -92,6 +94,7 @@ test-unit: ## Run the fast tier: every test that needs neither the control plane
 test: redis-server ## Run all tests against a real API server, real Redis and real nginx.
 	@hack/ensure-nginx.sh
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" HELM="$$(hack/tool.sh helm)" PROMTOOL="$$(hack/tool.sh promtool)" \
+		TRAEFIK="$$(hack/tool.sh traefik)" \
 		go test -race -count=1 -timeout 30m ./...
 
 # FUZZTIME is how long `make fuzz` runs each fuzz target.

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Builds a tool that its users run and the tests run too (helm, promtool), once per machine, from
-# the Go module pinned in hack/tools/<tool>/go.mod, into a cache outside the repository, and prints
-# the binary's path. Each tool has a module of its own: their dependency graphs are large (Helm's
-# Kubernetes libraries, Prometheus's service discoveries) and must not move the other tools'.
+# Builds a tool that its users run and the tests run too (helm, promtool, traefik), once per
+# machine, from the Go module pinned in hack/tools/<tool>/go.mod, into a cache outside the
+# repository, and prints the binary's path. Each tool has a module of its own: their dependency graphs are large (Helm's
+# Kubernetes libraries, Prometheus's service discoveries, Traefik's providers) and must not move
+# the other tools'.
 #
-# Usage: hack/tool.sh helm|promtool
+# Usage: hack/tool.sh helm|promtool|traefik
 set -euo pipefail
 
-tool=${1:?usage: hack/tool.sh helm|promtool}
+tool=${1:?usage: hack/tool.sh helm|promtool|traefik}
 here=$(cd "$(dirname "$0")" && pwd)
 mod="$here/tools/$tool"
 [[ -f "$mod/go.mod" ]] || { echo "hack/tool.sh: no tool $tool (no $mod/go.mod)" >&2; exit 2; }

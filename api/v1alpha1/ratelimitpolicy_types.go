@@ -450,7 +450,9 @@ type RedisStorage struct {
 	Database *int32 `json:"database,omitempty"`
 
 	// credentialsSecretRef names a Secret in the policy's namespace holding the Redis username
-	// and password. The enforcer reads it as environment variables; it never enters a ConfigMap.
+	// and password. The Secret is mounted into the enforcer pods as files, read at every new
+	// connection, so a rotated password takes effect without a restart; it never enters a
+	// ConfigMap or an environment variable.
 	// +optional
 	CredentialsSecretRef *CredentialsSecretRef `json:"credentialsSecretRef,omitempty"`
 
@@ -650,7 +652,11 @@ type RateLimitPolicyStatus struct {
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 
-	// conditions are Accepted, Programmed, Ready and Degraded.
+	// conditions are Accepted (the spec is valid and the policy owns its target), Programmed
+	// (the enforcer objects are applied), Ready (every replica serves the current revision),
+	// Degraded (something outside the policy weakens enforcement, such as Redis), and
+	// Reconciling and Stalled (kstatus: still working, or unable to progress until something
+	// changes).
 	// +optional
 	// +listType=map
 	// +listMapKey=type

@@ -228,7 +228,8 @@ func TestChartWhenRenderedThenTheAPIServerAcceptsEveryObject(t *testing.T) {
 					t.Errorf("%s %s: %v", u.GetKind(), u.GetName(), err)
 				}
 			}
-			want := map[string]int{"CustomResourceDefinition": 1, "Deployment": 1, "ClusterRole": 1, "Role": 2, "ValidatingWebhookConfiguration": 1}
+			// ClusterRoles: the manager's, and the users' editor and viewer.
+			want := map[string]int{"CustomResourceDefinition": 1, "Deployment": 1, "ClusterRole": 3, "Role": 2, "ValidatingWebhookConfiguration": 1}
 			if name != "defaults" {
 				want["Certificate"] = 1
 			}
@@ -306,6 +307,10 @@ func TestChartWhenRenderedBesideConfigThenTheGeneratedObjectsAreTheSame(t *testi
 		if !jsonEqual(got.Object[field], want.Object[field]) {
 			t.Errorf("%s: the chart's %s differs from config/'s:\nchart:  %s\nconfig: %s", key, field, mustJSON(got.Object[field]), mustJSON(want.Object[field]))
 		}
+		// A ClusterRole's aggregation labels decide which built-in roles grant it.
+		if g, w := aggregationLabels(got), aggregationLabels(want); kind == "ClusterRole" && !jsonEqual(g, w) {
+			t.Errorf("%s: the chart's aggregation labels %v differ from config/'s %v", key, g, w)
+		}
 	}
 	if compared < 12 {
 		t.Errorf("compared %d objects; the comparison lost its objects", compared)
@@ -321,6 +326,17 @@ func TestChartWhenRenderedBesideConfigThenTheGeneratedObjectsAreTheSame(t *testi
 	if got, _, _ := unstructured.NestedString(cm.Object, "data", "sluice.json"); strings.TrimSpace(got) != strings.TrimSpace(string(dashboard)) {
 		t.Error("the chart's dashboard differs from config/grafana/sluice.json")
 	}
+}
+
+// aggregationLabels are an object's rbac.authorization.k8s.io/aggregate-to-* labels.
+func aggregationLabels(u *unstructured.Unstructured) map[string]string {
+	m := map[string]string{}
+	for k, v := range u.GetLabels() {
+		if strings.HasPrefix(k, "rbac.authorization.k8s.io/aggregate-to-") {
+			m[k] = v
+		}
+	}
+	return m
 }
 
 func byKindName(objs []*unstructured.Unstructured) map[string]*unstructured.Unstructured {

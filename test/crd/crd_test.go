@@ -29,12 +29,16 @@ import (
 	"github.com/sluice-dev/sluice/test/testenv"
 )
 
-var k8s client.Client
+var (
+	k8s client.Client
+	env *testenv.Env
+)
 
 func TestMain(m *testing.M) {
 	flag.Parse()
 	tier.RunFast(m)
-	env, err := testenv.Start()
+	var err error
+	env, err = testenv.Start()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)

@@ -2,12 +2,13 @@ package local
 
 import (
 	"context"
-	"errors"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -39,7 +40,8 @@ import (
 // creates from the rendered Deployment. It binds each pod to its node, and runs one real
 // enforcer process per pod, with the pod spec's arguments and environment (Secret references
 // resolved), its ConfigMap and Secret volumes written to files, a service-account token for the
-// API server, and a loopback address of its own (127.x.y.z) as the pod IP. It sets the pod's
+// API server, and an address of its own as the pod IP: a loopback address (127.x.y.z), or one
+// of PodNetwork. It registers its Node, and sets the pod's
 // status from the process and its readiness probe, and stops the process when the pod is
 // deleted, as a kubelet does: SIGTERM, then the grace period.
 //
@@ -75,6 +77,10 @@ type KubeletOptions struct {
 	// FileRefresh is how often mounted ConfigMaps are brought up to date, as the kubelet's
 	// sync does, about once a minute by default.
 	FileRefresh time.Duration
+	// PodNetwork is where pod IPs come from; 127.0.0.0/8 when unset. The API server refuses
+	// loopback addresses in EndpointSlices, so a test that routes to a Service's endpoints (a
+	// gateway does) needs another network whose every address is local: see RunInPodNetwork.
+	PodNetwork netip.Prefix
 }
 
 // Node is the node every pod is bound to.
@@ -102,6 +108,14 @@ func StartKubelet(ctx context.Context, k8s client.Client, cfg *rest.Config, bin 
 	}
 	if opts.Log == nil {
 		opts.Log = io.Discard
+	}
+	if !opts.PodNetwork.IsValid() {
+		opts.PodNetwork = netip.MustParsePrefix("127.0.0.0/8")
+	}
+	// A kubelet registers its Node; the EndpointSlice controller skips pods on a Node it cannot find.
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: Node}}
+	if err := k8s.Create(ctx, node); err != nil && !apierrors.IsAlreadyExists(err) {
+		return nil, fmt.Errorf("register node %s: %w", Node, err)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	watched, err := cache.New(cfg, cache.Options{
@@ -298,7 +312,7 @@ func (k *Kubelet) run(ctx context.Context, pod *corev1.Pod) error {
 		}
 		env = append(env, "KUBECONFIG="+kubeconfig)
 	}
-	ip, err := freeLoopbackIP(ctr.Ports)
+	ip, err := freeIP(k.opts.PodNetwork, ctr.Ports)
 	if err != nil {
 		return err
 	}
@@ -515,10 +529,24 @@ func probe(url string) bool {
 	return resp.StatusCode == http.StatusOK
 }
 
-// freeLoopbackIP picks an address of 127.0.0.0/8 on which every container port is free.
-func freeLoopbackIP(ports []corev1.ContainerPort) (string, error) {
+// freeIP picks an address of network, neither its first nor its last, on which every container
+// port is free.
+func freeIP(network netip.Prefix, ports []corev1.ContainerPort) (string, error) {
+	base := network.Masked().Addr().As4()
+	hostBits := 32 - network.Bits()
+	if !network.Addr().Is4() || hostBits < 2 {
+		return "", fmt.Errorf("pod network %s: an IPv4 network with room for pods is needed", network)
+	}
 	for range 100 {
-		ip := fmt.Sprintf("127.%d.%d.%d", 1+rand.IntN(254), rand.IntN(256), 1+rand.IntN(254))
+		n := binary.BigEndian.Uint32(base[:]) + 1 + rand.Uint32N(uint32(1)<<hostBits-2)
+		var a [4]byte
+		binary.BigEndian.PutUint32(a[:], n)
+		// Neither a subnet's network nor broadcast address, nor 127.0.x.y, where the tests' own
+		// servers listen.
+		if a[3] == 0 || a[3] == 255 || (a[0] == 127 && a[1] == 0) {
+			continue
+		}
+		ip := netip.AddrFrom4(a).String()
 		free := true
 		for _, p := range ports {
 			l, err := net.Listen("tcp", net.JoinHostPort(ip, strconv.Itoa(int(p.ContainerPort))))
@@ -532,7 +560,7 @@ func freeLoopbackIP(ports []corev1.ContainerPort) (string, error) {
 			return ip, nil
 		}
 	}
-	return "", errors.New("no loopback address with the pod's ports free")
+	return "", fmt.Errorf("no address of %s with the pod's ports free", network)
 }
 
 // EnforcerPods returns the running enforcer pods of a policy that have an IP, by name.

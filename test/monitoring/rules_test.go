@@ -102,3 +102,58 @@ func TestAlertsWhenRenderedByTheChartThenPromtoolAcceptsThem(t *testing.T) {
 		t.Errorf("the chart's threshold is not in its rules:\n%s", rules)
 	}
 }
+
+// Every alert links to its section of docs/runbooks.md, which says what to check and what to do;
+// a renamed alert or section breaks the link, and this test.
+func TestAlertsWhenTheyFireThenEachLinksToItsRunbookSection(t *testing.T) {
+	rule, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "config", "prometheus", "prometheusrule.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pr struct {
+		Spec struct {
+			Groups []struct {
+				Rules []struct {
+					Alert       string            `json:"alert"`
+					Annotations map[string]string `json:"annotations"`
+				} `json:"rules"`
+			} `json:"groups"`
+		} `json:"spec"`
+	}
+	if err := yaml.Unmarshal(rule, &pr); err != nil {
+		t.Fatal(err)
+	}
+	runbooks, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "docs", "runbooks.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// GitHub's anchor of a heading is its text lowercased (alert names need no more).
+	sections := map[string]bool{}
+	for _, line := range strings.Split(string(runbooks), "\n") {
+		if heading, ok := strings.CutPrefix(line, "## "); ok {
+			sections[strings.ToLower(strings.TrimSpace(heading))] = true
+		}
+	}
+	const base = "https://github.com/sluice-dev/sluice/blob/main/docs/runbooks.md#"
+	alerts := 0
+	for _, g := range pr.Spec.Groups {
+		for _, r := range g.Rules {
+			if r.Alert == "" {
+				continue
+			}
+			alerts++
+			url := r.Annotations["runbook_url"]
+			anchor, ok := strings.CutPrefix(url, base)
+			if !ok || anchor != strings.ToLower(r.Alert) {
+				t.Errorf("alert %s: runbook_url %q, want %s%s", r.Alert, url, base, strings.ToLower(r.Alert))
+				continue
+			}
+			if !sections[anchor] {
+				t.Errorf("alert %s: docs/runbooks.md has no section ## %s", r.Alert, r.Alert)
+			}
+		}
+	}
+	if alerts != 8 {
+		t.Errorf("%d alerts, want 8: the test lost its alerts", alerts)
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -35,16 +36,33 @@ type Option func(*options)
 
 type options struct {
 	webhooks, controllers, noCRDs bool
+	extraControllers, extraCRDs   []string
+	advertiseAddress              string
+}
+
+// WithAdvertiseAddress gives the API server the address it advertises to the cluster's
+// members. It finds one from the default route by itself, so a test in a network namespace with
+// no route out (local.RunInPodNetwork) must name one.
+func WithAdvertiseAddress(ip string) Option {
+	return func(o *options) { o.advertiseAddress = ip }
 }
 
 // WithoutCRDs leaves the CRDs out, for a test that installs them itself (the Helm chart does).
 func WithoutCRDs() Option { return func(o *options) { o.noCRDs = true } }
 
+// WithCRDsFrom installs the CRDs of these files or directories too, such as the Gateway API's.
+func WithCRDsFrom(paths ...string) Option {
+	return func(o *options) { o.extraCRDs = append(o.extraCRDs, paths...) }
+}
+
 // WithControllers runs the real kube-controller-manager beside the API server, with the
 // controllers Sluice's objects meet in a cluster: Deployment, ReplicaSet, garbage collector and
 // PodDisruptionBudget (disruption). Pods are created but nothing runs them; test/local's Kubelet
-// does.
-func WithControllers() Option { return func(o *options) { o.controllers = true } }
+// does. extra names further controllers of kube-controller-manager to run, such as
+// "endpointslice-controller" for a test whose gateway routes to the pods of a Service.
+func WithControllers(extra ...string) Option {
+	return func(o *options) { o.controllers, o.extraControllers = true, append(o.extraControllers, extra...) }
+}
 
 // controllers are the kube-controller-manager controllers WithControllers runs.
 var controllers = []string{"deployment-controller", "replicaset-controller", "garbage-collector-controller", "disruption-controller"}
@@ -79,9 +97,15 @@ func Start(opts ...Option) (*Env, error) {
 	if !o.noCRDs {
 		env.CRDDirectoryPaths, env.ErrorIfCRDPathMissing = []string{filepath.Join(RepoRoot(), "config", "crd", "bases")}, true
 	}
+	if len(o.extraCRDs) > 0 {
+		env.CRDDirectoryPaths, env.ErrorIfCRDPathMissing = append(env.CRDDirectoryPaths, o.extraCRDs...), true
+	}
 	// Room for thousands of Services: the default /24 holds 254 ClusterIPs, and every policy
 	// has an enforcer Service.
 	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
+	if o.advertiseAddress != "" {
+		env.ControlPlane.GetAPIServer().Configure().Set("advertise-address", o.advertiseAddress)
+	}
 	if o.webhooks {
 		env.WebhookInstallOptions.Paths = []string{filepath.Join(RepoRoot(), "config", "webhook", "manifests.yaml")}
 	}
@@ -91,7 +115,7 @@ func Start(opts ...Option) (*Env, error) {
 	}
 	e := &Env{Config: cfg, Webhook: env.WebhookInstallOptions, env: env}
 	if o.controllers {
-		if err := e.startControllers(); err != nil {
+		if err := e.startControllers(append(slices.Clone(controllers), o.extraControllers...)); err != nil {
 			_ = env.Stop()
 			return nil, err
 		}
@@ -109,7 +133,7 @@ func Start(opts ...Option) (*Env, error) {
 
 // startControllers starts kube-controller-manager as a cluster administrator. Its output goes to
 // kube-controller-manager.log in a temporary directory, named if it fails to start.
-func (e *Env) startControllers() error {
+func (e *Env) startControllers(controllers []string) error {
 	dir, err := os.MkdirTemp("", "sluice-kcm-")
 	if err != nil {
 		return err

@@ -1,0 +1,114 @@
+package crd_test
+
+import (
+	"github.com/sluice-dev/sluice/test/tier"
+
+	"context"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+)
+
+// kubectl explain prints the CRD's field docs, the API's doc comments: they must say what the
+// code does. Run through the real kubectl against the real API server's OpenAPI.
+func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T) {
+	tier.Needs(t, "the test control plane and kubectl")
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := env.WriteKubeconfig(kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	explain := func(t *testing.T, field string) string {
+		t.Helper()
+		// The API server publishes a new CRD's OpenAPI a moment after the CRD is established.
+		var out []byte
+		var err error
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+			out, err = exec.Command(env.Kubectl(), "--kubeconfig", kubeconfig, "explain", field).CombinedOutput()
+			if err == nil || !strings.Contains(string(out), "couldn't find resource") || time.Now().After(deadline) {
+				break
+			}
+		}
+		if err != nil {
+			t.Fatalf("kubectl explain %s: %v\n%s", field, err, out)
+		}
+		// Explanations are wrapped: read them as one line of words.
+		return strings.Join(strings.Fields(string(out)), " ")
+	}
+	for _, c := range []struct {
+		name, field   string
+		want, notWant []string
+	}{
+		{
+			name:    "when credentials are explained then they are mounted files, not environment variables",
+			field:   "rlp.spec.storage.redis.credentialsSecretRef",
+			want:    []string{"mounted into the enforcer pods as files"},
+			notWant: []string{"reads it as environment variables"},
+		},
+		{
+			name:  "when conditions are explained then all six types are named",
+			field: "rlp.status.conditions",
+			want:  []string{"Accepted", "Programmed", "Ready", "Degraded", "Reconciling", "Stalled"},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			out := explain(t, c.field)
+			for _, w := range c.want {
+				if !strings.Contains(out, w) {
+					t.Errorf("kubectl explain %s does not say %q:\n%s", c.field, w, out)
+				}
+			}
+			for _, w := range c.notWant {
+				if strings.Contains(out, w) {
+					t.Errorf("kubectl explain %s still says %q:\n%s", c.field, w, out)
+				}
+			}
+		})
+	}
+}
+
+// The RULES column of kubectl get is the API server's: for a list it prints the first element
+// only, so README gives the command that lists every rule. Both through the real kubectl.
+func TestKubectlGetWhenAPolicyHasSeveralRulesThenTheREADMECommandListsThemAll(t *testing.T) {
+	tier.Needs(t, "the test control plane and kubectl")
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := env.WriteKubeconfig(kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	key := []v1alpha1.KeySource{{Type: v1alpha1.KeyRemoteAddress}}
+	p := &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "three-rules"},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+			Rules: []v1alpha1.Rule{
+				{Name: "burst", Key: key, FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1s"}},
+				{Name: "per-minute", Key: key, FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}},
+				{Name: "per-hour", Key: key, FixedWindow: &v1alpha1.Window{Limit: 1000, Window: "1h"}},
+			},
+		},
+	}
+	if err := k8s.Create(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = k8s.Delete(context.Background(), p) })
+	kubectl := func(args ...string) string {
+		t.Helper()
+		out, err := exec.Command(env.Kubectl(), append([]string{"--kubeconfig", kubeconfig, "-n", "default"}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		return string(out)
+	}
+	table := kubectl("get", "rlp", "three-rules")
+	if !strings.Contains(table, "burst") {
+		t.Errorf("kubectl get rlp: the RULES column lacks the first rule:\n%s", table)
+	}
+	if got := kubectl("get", "rlp", "three-rules", "-o", "jsonpath={.spec.rules[*].name}"); got != "burst per-minute per-hour" {
+		t.Errorf("kubectl get rlp -o jsonpath='{.spec.rules[*].name}': %q, want every rule", got)
+	}
+}
