@@ -16,6 +16,7 @@ import (
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/sluice-dev/sluice/enforcer"
 )
@@ -193,4 +194,52 @@ func readStatus(c net.Conn) int {
 	}
 	_ = resp.Body.Close()
 	return resp.StatusCode
+}
+
+// A call whose hits make a cost no limit can hold is OVER_LIMIT without a Retry-After, which
+// would promise a time at which it passes; one at the limit passes.
+func TestRLSWhenHitsExceedTheLimitThenOverLimitWithoutRetryAfter(t *testing.T) {
+	e := start(t, policyDoc("never", `    - name: per-user
+      key: [{type: Header, name: X-User}]
+      slidingLog: {limit: 5, window: 1h}
+`), nil, nil, withRLS)
+	c, _ := rlsClient(t, e)
+	for hits, want := range map[uint64]rlsv3.RateLimitResponse_Code{6: rlsv3.RateLimitResponse_OVER_LIMIT, 1 << 40: rlsv3.RateLimitResponse_OVER_LIMIT} {
+		d := descriptor("x-user", fmt.Sprint("u", hits))
+		d.HitsAddend = wrapperspb.UInt64(hits)
+		r := shouldRateLimit(t, c, "test/never", d)
+		if r.GetOverallCode() != want || header(r, "Retry-After") != "" || header(r, "RateLimit") == "" {
+			t.Errorf("hits %d: %v, Retry-After %q, RateLimit %q; want OVER_LIMIT with the fields and no Retry-After", hits, r.GetOverallCode(), header(r, "Retry-After"), header(r, "RateLimit"))
+		}
+	}
+	d := descriptor("x-user", "at-the-limit")
+	d.HitsAddend = wrapperspb.UInt64(5)
+	if r := shouldRateLimit(t, c, "test/never", d); r.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+		t.Errorf("hits at the limit: %v, want OK", r.GetOverallCode())
+	}
+}
+
+// One call decides at most limiter.MaxChecks rules: descriptors that match more are refused
+// before anything is charged, so no call is an unbounded store script.
+func TestRLSWhenDescriptorsMatchMoreRulesThanTheBoundThenRefused(t *testing.T) {
+	var rules strings.Builder
+	for i := range 32 {
+		fmt.Fprintf(&rules, "    - name: r%d\n      key: [{type: Header, name: X-User}]\n      fixedWindow: {limit: 100, window: 1h}\n", i)
+	}
+	e := start(t, policyDoc("many", rules.String()), nil, nil, withRLS)
+	c, _ := rlsClient(t, e)
+	call := func(n int) error {
+		ds := make([]*rlv3.RateLimitDescriptor, n)
+		for i := range ds {
+			ds[i] = descriptor("x-user", fmt.Sprint("u", i))
+		}
+		_, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/many", Descriptors: ds})
+		return err
+	}
+	if err := call(2); err != nil { // 64 rules: at the bound
+		t.Errorf("2 descriptors of 32 rules each: %v, want OK", err)
+	}
+	if err := call(3); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "64 rules") {
+		t.Errorf("3 descriptors of 32 rules each: %v, want INVALID_ARGUMENT naming the bound", err)
+	}
 }
