@@ -4,7 +4,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -15,7 +14,7 @@ import (
 func TestPanicsWhenManyAreRecoveredThenEachIsCountedAndOneAMinuteLogged(t *testing.T) {
 	var logged []string
 	log := funcr.New(func(prefix, args string) { logged = append(logged, args) }, funcr.Options{})
-	p := newPanics(prometheus.NewRegistry(), logr.Logger(log))
+	p := newPanics(prometheus.NewRegistry(), log)
 	for range 100 {
 		p.recovered("proxy", "boom")
 	}
