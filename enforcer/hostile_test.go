@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -204,7 +205,8 @@ func TestRLSWhenHitsExceedTheLimitThenOverLimitWithoutRetryAfter(t *testing.T) {
       slidingLog: {limit: 5, window: 1h}
 `), nil, nil, withRLS)
 	c, _ := rlsClient(t, e)
-	for hits, want := range map[uint64]rlsv3.RateLimitResponse_Code{6: rlsv3.RateLimitResponse_OVER_LIMIT, 1 << 40: rlsv3.RateLimitResponse_OVER_LIMIT} {
+	for hits, want := range map[uint64]rlsv3.RateLimitResponse_Code{6: rlsv3.RateLimitResponse_OVER_LIMIT, 1 << 40: rlsv3.RateLimitResponse_OVER_LIMIT,
+		1 << 63: rlsv3.RateLimitResponse_OVER_LIMIT, math.MaxUint64: rlsv3.RateLimitResponse_OVER_LIMIT} {
 		d := descriptor("x-user", fmt.Sprint("u", hits))
 		d.HitsAddend = wrapperspb.UInt64(hits)
 		r := shouldRateLimit(t, c, "test/never", d)
@@ -241,5 +243,72 @@ func TestRLSWhenDescriptorsMatchMoreRulesThanTheBoundThenRefused(t *testing.T) {
 	}
 	if err := call(3); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "64 rules") {
 		t.Errorf("3 descriptors of 32 rules each: %v, want INVALID_ARGUMENT naming the bound", err)
+	}
+}
+
+// Descriptors that repeat each other in one call are charged each: 32 copies of one client's
+// request against a limit of 3 are refused, not charged once; a request's method, path or
+// address given twice is refused.
+func TestRLSWhenADescriptorIsRepeatedThenEachCopyIsCharged(t *testing.T) {
+	e := start(t, policyDoc("dups", `    - name: per-key
+      key: [{type: Header, name: X-Api-Key}]
+      fixedWindow: {limit: 3, window: 1h}
+`), nil, nil, withRLS)
+	c, _ := rlsClient(t, e)
+	copies := func(key string, n int) []*rlv3.RateLimitDescriptor {
+		ds := make([]*rlv3.RateLimitDescriptor, n)
+		for i := range ds {
+			ds[i] = descriptor("x-api-key", key)
+		}
+		return ds
+	}
+	if r := shouldRateLimit(t, c, "test/dups", copies("a", 32)...); r.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT {
+		t.Errorf("32 copies against a limit of 3: %v, want OVER_LIMIT", r.GetOverallCode())
+	}
+	if r := shouldRateLimit(t, c, "test/dups", copies("b", 3)...); r.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+		t.Errorf("3 copies against a limit of 3: %v, want OK", r.GetOverallCode())
+	}
+	if r := shouldRateLimit(t, c, "test/dups", copies("b", 1)...); r.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT {
+		t.Errorf("a fourth request after 3 copies: %v, want OVER_LIMIT (the copies were charged 3)", r.GetOverallCode())
+	}
+	_, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/dups",
+		Descriptors: []*rlv3.RateLimitDescriptor{descriptor("path", "/a", "path", "/b", "x-api-key", "c")}})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Errorf("a descriptor with two paths: %v, want INVALID_ARGUMENT", err)
+	}
+}
+
+// An idempotency key makes a repeat free only of the request it was first sent with: sent with
+// another route under the same client key it is charged. A key the client names in Connection
+// never reaches the upstream, so it is no key to the decision either.
+func TestProxyWhenAnIdempotencyKeyIsReusedElsewhereThenItIsCharged(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("idem-routes", `    - name: admin
+      match: {path: {type: Prefix, value: /admin}}
+      key: [{type: RemoteAddress}]
+      fixedWindow: {limit: 1, window: 1h}
+    - name: login
+      match: {path: {type: Prefix, value: /login}}
+      key: [{type: RemoteAddress}]
+      fixedWindow: {limit: 5, window: 1h}
+`, "  retries:\n    idempotencyKey: {maxRepeats: 3}\n"), up, nil)
+	if s := get(t, e.proxy+"/admin", "Idempotency-Key", "a").StatusCode; s != http.StatusOK {
+		t.Fatalf("the one /admin request: %d", s)
+	}
+	if s := get(t, e.proxy+"/login", "Idempotency-Key", "k").StatusCode; s != http.StatusOK {
+		t.Fatalf("a login with a key: %d", s)
+	}
+	if s := get(t, e.proxy+"/admin", "Idempotency-Key", "k").StatusCode; s != http.StatusTooManyRequests {
+		t.Errorf("/admin with the login's key: %d, want 429", s)
+	}
+	if s := get(t, e.proxy+"/login", "Idempotency-Key", "k").StatusCode; s != http.StatusOK {
+		t.Errorf("the login's own repeat: %d, want 200", s)
+	}
+	if s := get(t, e.proxy+"/admin", "Idempotency-Key", "a").StatusCode; s != http.StatusOK {
+		t.Errorf("the /admin request's own repeat: %d, want 200", s)
+	}
+	hidden := "GET /admin HTTP/1.1\r\nHost: x\r\nIdempotency-Key: a\r\nConnection: Idempotency-Key, close\r\n\r\n"
+	if s := rawStatus(t, e.ProxyAddr, hidden); s != http.StatusTooManyRequests {
+		t.Errorf("a key named in Connection: %d, want 429 (no key reaches the upstream, so none is decided)", s)
 	}
 }

@@ -88,6 +88,9 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 		ctx.SetConnectionClose()
 		return
 	}
+	// Decided on what the upstream will read: a field the client names in Connection is removed
+	// before it is forwarded, so it is removed before it is decided too.
+	removeHopHeaders(&req.Header)
 	v := decide(p.limiter, &input{
 		method: b2s(req.Header.Method()),
 		target: b2s(req.Header.RequestURI()),

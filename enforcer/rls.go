@@ -3,6 +3,8 @@ package enforcer
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
 	"net/http"
 	"net/netip"
 	"strings"
@@ -66,10 +68,12 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		if d.GetIsNegativeHits() {
 			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: negative hits are not supported", i)
 		}
-		hits := int64(req.GetHitsAddend())
+		addend := uint64(req.GetHitsAddend())
 		if d.GetHitsAddend() != nil {
-			hits = int64(d.GetHitsAddend().GetValue())
+			addend = d.GetHitsAddend().GetValue()
 		}
+		// Saturated, not wrapped: 2^63 and above would turn negative, and then into 1.
+		hits := int64(min(addend, math.MaxInt64))
 		r, err := descriptorRequest(d)
 		if err != nil {
 			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: %v", i, err)
@@ -116,8 +120,14 @@ func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, error) {
 	in := input{header: h, target: "/"}
 	var peer netip.Addr
 	hasPath := false
+	seen := map[string]bool{}
 	for _, e := range d.GetEntries() {
-		switch strings.ToLower(e.GetKey()) {
+		key := strings.ToLower(e.GetKey())
+		if seen[key] && (key == EntryRemoteAddress || key == EntryMethod || key == EntryPath) {
+			return limiter.Request{}, fmt.Errorf("entry %q is repeated: a request has one", key)
+		}
+		seen[key] = true
+		switch key {
 		case EntryRemoteAddress:
 			a, err := netip.ParseAddr(e.GetValue())
 			if err != nil {

@@ -280,7 +280,9 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 				// The record is this policy's (its checks' tags) and this client's: the key is
 				// hashed with the client's address, so clients that send the same key never
 				// share a record, even under a rule that has no client key.
-				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
+				// The request is part of the identity too: a key first sent with one request
+				// makes no other request (another route under the same client key) a repeat.
+				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()+" "+req.Method+" "+req.Path), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
 			}
 			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
@@ -353,10 +355,14 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		}
 		return per, Result{Outcome: Allowed}
 	}
-	out := make([]algorithm.Decision, len(checks))
+	merged, same := mergeRepeats(checks)
+	out := make([]algorithm.Decision, len(merged))
 	start := time.Now()
-	charged, err := l.decide(ctx, checks, out)
+	charged, err := l.decide(ctx, merged, out)
 	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
+	out = spread(out, same)
+	// A refusal is cached for its check's cost; a merged check was refused at the sum of several.
+	cache := !idem && len(merged) == len(checks)
 	if err != nil && cancelled(ctx, err) {
 		res := l.cancelled(rules)
 		for i := range per {
@@ -373,7 +379,7 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		case err != nil:
 			per[i] = l.failureModes(rules[b:e], err)
 		default:
-			per[i] = jitter(l.result(checks[b:e], rules[b:e], out[b:e], charged, !idem))
+			per[i] = jitter(l.result(checks[b:e], rules[b:e], out[b:e], charged, cache))
 		}
 		switch r := per[i]; {
 		case r.Outcome == Unavailable && overall.Outcome != Unavailable,
@@ -384,6 +390,47 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		}
 	}
 	return per, overall
+}
+
+// mergeRepeats folds the checks of one rule and one client that several requests of a DecideAll
+// share (Envoy descriptors that repeat each other) into one check of their summed cost: the store
+// decides each check against the state from before the call, so two checks of one counter would
+// charge it once. same[i] is the index in merged of checks[i]; merged is checks itself when
+// nothing repeats.
+func mergeRepeats(checks []store.Check) (merged []store.Check, same []int) {
+	type counter struct{ tag, rule string }
+	seen := make(map[counter]int, len(checks))
+	same = make([]int, len(checks))
+	for i := range checks {
+		c := counter{checks[i].Tag, checks[i].Rule}
+		j, ok := seen[c]
+		if !ok {
+			seen[c], same[i] = len(merged), len(merged)
+			merged = append(merged, checks[i])
+			continue
+		}
+		same[i] = j
+		merged[j].Cost = addCost(merged[j].Cost, checks[i].Cost)
+		merged[j].Idempotency = nil // a summed charge is no one request's repeat
+	}
+	return merged, same
+}
+
+// spread gives every check the decision of the merged check it went into.
+func spread(out []algorithm.Decision, same []int) []algorithm.Decision {
+	all := make([]algorithm.Decision, len(same))
+	for i, j := range same {
+		all[i] = out[j]
+	}
+	return all
+}
+
+// addCost adds two costs, saturated at math.MaxInt64 as mulCost multiplies them.
+func addCost(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
 }
 
 // jitter adds to a refusal's Retry-After, and to the reset its RateLimit field names, a random
