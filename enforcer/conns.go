@@ -21,11 +21,57 @@ const (
 	DefaultWriteTimeout      = 30 * time.Second
 )
 
-// connLimits bound the connections of one server.
-type connLimits struct {
+// Bounds of the admin listener, which has a budget of its own: probes and scrapes are served
+// however many connections the traffic listeners hold.
+const (
+	adminMaxConns          = 256
+	adminMaxConnsPerClient = 64
+)
+
+// connBudget counts open connections against a total and a per-address bound. The proxy, the
+// check API and Envoy's rate limit service share one, so that their sum, and so the memory their
+// connections hold, is bounded; the admin listener has its own.
+type connBudget struct {
 	// max bounds the open connections in all; perClient those of one client address (the TCP
 	// peer: behind an ingress, the ingress pod, so the default leaves room for its pool).
 	max, perClient int
+
+	mu    sync.Mutex
+	total int
+	per   map[netip.Addr]int
+}
+
+func newConnBudget(max, perClient int) *connBudget {
+	return &connBudget{max: max, perClient: perClient, per: map[netip.Addr]int{}}
+}
+
+// admit counts a new connection in, or says which bound it is over.
+func (b *connBudget) admit(addr netip.Addr) string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch {
+	case b.total >= b.max:
+		return "total"
+	case b.per[addr] >= b.perClient:
+		return "client"
+	}
+	b.total++
+	b.per[addr]++
+	return ""
+}
+
+func (b *connBudget) release(addr netip.Addr) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.total--
+	if b.per[addr]--; b.per[addr] <= 0 {
+		delete(b.per, addr)
+	}
+}
+
+// connLimits bound the connections of one server.
+type connLimits struct {
+	budget *connBudget
 	// writeTimeout ends a connection whose writes make no progress for that long: a client that
 	// stops reading its response holds nothing for ever, however long a stream lasts.
 	writeTimeout time.Duration
@@ -42,15 +88,10 @@ type guardListener struct {
 	server  string
 	refused *prometheus.CounterVec
 	open    prometheus.Gauge
-
-	mu    sync.Mutex
-	total int
-	per   map[netip.Addr]int
 }
 
 func newGuardListener(ln net.Listener, server string, limits connLimits, m *connMetrics) *guardListener {
-	return &guardListener{Listener: ln, limits: limits, server: server, refused: m.refused,
-		open: m.open.WithLabelValues(server), per: map[netip.Addr]int{}}
+	return &guardListener{Listener: ln, limits: limits, server: server, refused: m.refused, open: m.open.WithLabelValues(server)}
 }
 
 func (l *guardListener) Accept() (net.Conn, error) {
@@ -63,7 +104,7 @@ func (l *guardListener) Accept() (net.Conn, error) {
 		if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
 			addr = a.AddrPort().Addr().Unmap()
 		}
-		if reason := l.admit(addr); reason != "" {
+		if reason := l.limits.budget.admit(addr); reason != "" {
 			l.refuse(c, reason)
 			continue
 		}
@@ -72,28 +113,8 @@ func (l *guardListener) Accept() (net.Conn, error) {
 	}
 }
 
-// admit counts a new connection in, or says which bound it is over.
-func (l *guardListener) admit(addr netip.Addr) string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	switch {
-	case l.total >= l.limits.max:
-		return "total"
-	case l.per[addr] >= l.limits.perClient:
-		return "client"
-	}
-	l.total++
-	l.per[addr]++
-	return ""
-}
-
 func (l *guardListener) release(addr netip.Addr) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.total--
-	if l.per[addr]--; l.per[addr] <= 0 {
-		delete(l.per, addr)
-	}
+	l.limits.budget.release(addr)
 	l.open.Dec()
 }
 

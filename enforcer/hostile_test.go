@@ -108,8 +108,8 @@ func TestProxyWhenAKeyHeaderIsRepeatedThen400AndNothingIsCharged(t *testing.T) {
 	}
 }
 
-// Connections over a listener's bounds are answered as they are accepted (429 for one address's
-// bound, 503 for the total) and closed, while other clients are served; a client that stops
+// Connections over the bounds are answered as they are accepted (429 for one address's bound, 503
+// for the total of the traffic listeners) and closed, while other clients are served; a client that stops
 // reading its response is cut once its writes make no progress for the write timeout.
 func TestEnforcerWhenConnectionsPassTheirBoundsThenTheExtraOnesAreRefused(t *testing.T) {
 	up := newUpstream(t)
@@ -145,6 +145,18 @@ func TestEnforcerWhenConnectionsPassTheirBoundsThenTheExtraOnesAreRefused(t *tes
 	}
 	if s := served(dial("127.0.0.3")); s != http.StatusServiceUnavailable {
 		t.Errorf("the sixth connection in all: %d, want 503", s)
+	}
+	// The bound is the traffic listeners' together: the check API is full too, while the admin
+	// port, with bounds of its own, still answers (metric below reads it).
+	c, err := net.Dial("tcp", e.CheckAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	_, _ = io.WriteString(c, "GET /forward-auth HTTP/1.1\r\nHost: x\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: /\r\n\r\n")
+	if s := readStatus(c); s != http.StatusServiceUnavailable {
+		t.Errorf("a check API connection while the proxy holds the total: %d, want 503", s)
 	}
 	if n := metric(t, e.admin, `sluice_connections_refused_total{reason="client",server="proxy"}`); n != 1 {
 		t.Errorf("refused for the client bound: %v, want 1", n)

@@ -61,9 +61,10 @@ type Config struct {
 	// WriteTimeout ends a connection whose writes make no progress for that long, on every
 	// listener: a client that stops reading holds nothing for ever. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
-	// MaxConns bounds each listener's open connections, and MaxConnsPerClient those from one
-	// address; a connection over either is answered 503 or 429 and closed as it is accepted.
-	// Defaults DefaultMaxConns and DefaultMaxConnsPerClient.
+	// MaxConns bounds the open connections of the proxy, the check API and the rate limit
+	// service together, and MaxConnsPerClient those from one address; a connection over either
+	// is answered 503 or 429 and closed as it is accepted. The admin listener has bounds of its
+	// own. Defaults DefaultMaxConns and DefaultMaxConnsPerClient.
 	MaxConns, MaxConnsPerClient int
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
@@ -225,6 +226,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
 		{"rls", &e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
 	}
+	traffic := newConnBudget(cfg.MaxConns, cfg.MaxConnsPerClient)
 	for i, s := range servers {
 		if s.listen == "" || s.serve == nil {
 			continue
@@ -235,8 +237,11 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 			return nil, fmt.Errorf("listen on %s: %w", s.listen, err)
 		}
 		*s.addr = ln.Addr().String()
-		ln = newGuardListener(ln, s.name, connLimits{max: cfg.MaxConns, perClient: cfg.MaxConnsPerClient,
-			writeTimeout: cfg.WriteTimeout, http: s.name != "rls"}, e.conns)
+		budget := traffic
+		if s.name == "admin" {
+			budget = newConnBudget(adminMaxConns, adminMaxConnsPerClient)
+		}
+		ln = newGuardListener(ln, s.name, connLimits{budget: budget, writeTimeout: cfg.WriteTimeout, http: s.name != "rls"}, e.conns)
 		if shutdown := s.serve(ln); i == 0 {
 			e.adminShutdown = shutdown
 		} else {
