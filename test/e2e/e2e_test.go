@@ -393,17 +393,7 @@ func update(t *testing.T, k8s client.Client, key types.NamespacedName, change fu
 
 func waitFor(t testing.TB, timeout time.Duration, f func() error) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %v", timeout, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testenv.WaitFor(t, timeout, f)
 }
 
 // processLog keeps the processes' output; the test prints it when it fails.

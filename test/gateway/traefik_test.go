@@ -573,17 +573,7 @@ func tryGet(url, clientKey string) (answer, error) {
 	return answer{resp.StatusCode, resp.Header, strings.TrimSpace(body.String())}, nil
 }
 
-func waitFor(t *testing.T, timeout time.Duration, f func() error) {
+func waitFor(t testing.TB, timeout time.Duration, f func() error) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %v", timeout, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testenv.WaitFor(t, timeout, f)
 }
