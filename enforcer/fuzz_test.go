@@ -65,6 +65,8 @@ type fuzzBed struct {
 	panics       *panics
 	admin        atomic.Int64
 	limiter      *limiter.Limiter
+	mu           sync.Mutex
+	seen         []string // what the upstream read as /admin
 }
 
 var (
@@ -79,6 +81,9 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			// As the upstream resolves the path: decoded by net/http, cleaned as a router does.
 			if strings.HasPrefix(path.Clean("/"+r.URL.Path), "/admin") {
 				b.admin.Add(1)
+				b.mu.Lock()
+				b.seen = append(b.seen, r.Proto+" "+r.Method+" "+r.RequestURI)
+				b.mu.Unlock()
 			}
 			_, _ = io.Copy(io.Discard, r.Body)
 		}))
@@ -132,7 +137,9 @@ func (b *fuzzBed) holds(t *testing.T, server string) {
 		t.Fatalf("%s panicked (%v recovered): the input is a crash", server, n)
 	}
 	if n := b.admin.Load(); n > 0 {
-		t.Fatalf("the upstream read %d requests as /admin, whose limit is spent", n)
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		t.Fatalf("the upstream read %d requests as /admin, whose limit is spent: %q", n, b.seen)
 	}
 }
 

@@ -161,6 +161,14 @@ func TestProxyWhenThePathHasDotSegmentsThenTheRuleOfTheResolvedPathApplies(t *te
 	if s := rawStatus(t, e.ProxyAddr, "GET /admin/users HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != http.StatusOK {
 		t.Fatalf("first: %d", s)
 	}
+	for _, path := range []string{"/x#/../admin", "/public#/../../admin"} {
+		if s := rawStatus(t, e.ProxyAddr, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != http.StatusBadRequest {
+			t.Errorf("proxy, %s: %d, want 400: a target has no fragment, and the upstream may read it as /admin", path, s)
+		}
+		if s := h2cStatus(t, e.ProxyAddr, "GET", path); s != http.StatusBadRequest {
+			t.Errorf("proxy over h2c, %s: %d, want 400", path, s)
+		}
+	}
 	for _, path := range []string{"/public/../admin/users", "/admin/./users", "//admin/users", "/%61dmin/users", "/public/%2e%2e/admin"} {
 		if s := rawStatus(t, e.ProxyAddr, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != http.StatusTooManyRequests {
 			t.Errorf("proxy, %s: %d, want 429: it is /admin/users to the upstream", path, s)

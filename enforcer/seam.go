@@ -100,6 +100,13 @@ func requestPath(target string) (string, *verdict) {
 		v := invalid(http.StatusRequestURITooLong, "request target over "+strconv.Itoa(MaxTargetBytes)+" bytes")
 		return "", &v
 	}
+	if strings.IndexByte(target, '#') >= 0 {
+		// No request target has a fragment (RFC 9112, 3.2). fasthttp would cut the path there,
+		// while an upstream that reads the '#' as part of the path and resolves "/x#/../admin"
+		// serves /admin: the two must not read one target two ways.
+		v := invalid(http.StatusBadRequest, "request target "+strconv.Quote(abbreviate(target))+" holds a '#': a request target has no fragment")
+		return "", &v
+	}
 	if !strings.HasPrefix(target, "/") {
 		scheme, rest, ok := strings.Cut(target, "://")
 		if !ok || scheme == "" || strings.ContainsAny(scheme, "/?#") {
