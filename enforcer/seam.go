@@ -23,7 +23,7 @@ import (
 //     breaker for everyone) nor skips the charge;
 //   - the path: the request target decoded, dot segments resolved and repeated slashes merged,
 //     as fasthttp reads it; the query dropped; a target over MaxTargetBytes is 414, one that is
-//     not a path or an absolute URI 400;
+//     not a path or an absolute URI, or holds a '#', 400;
 //   - the method, upper-cased: a rule for GET also decides "get";
 //   - the identity: the limiter's ClientAddr and ClientKey, where a repeated key header is 400;
 //   - the verdict's status and fields (verdict.write), and the hold of a queued request (hold).
