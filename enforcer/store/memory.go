@@ -236,7 +236,8 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 	for i := range checks {
 		c := &checks[i]
 		st := s.shards[idx[i]].state(c)
-		if j := recOf[i]; j > 0 && recs[j-1].free() {
+		// A cost the rule can never admit is no repeat of an admitted request: it is refused as such.
+		if j := recOf[i]; j > 0 && recs[j-1].free() && c.Cost >= 0 && c.Cost <= c.Limit.Limit {
 			// A free repeat of an admitted request, for this check's policy: it passes uncharged.
 			free[i] = true
 			_, out[i] = c.Limit.Take(st, now, 0)

@@ -273,7 +273,9 @@ local res, free = {}, {}
 local commit, all_free = true, true
 for i = 1, n do
   local r = rec(i)
-  if r and r.seen and r.seen >= 0 and r.seen < r.free then
+  local cost, limit = tonumber(arg(i, 5)), tonumber(arg(i, 1))
+  -- A cost the rule can never admit is no repeat of an admitted request: it is refused as such.
+  if r and r.seen and r.seen >= 0 and r.seen < r.free and cost >= 0 and cost <= limit then
     -- A free repeat of an admitted request, for this rule's policy: it passes uncharged.
     free[i] = true
     res[i] = {evaluate(i, 0)}
