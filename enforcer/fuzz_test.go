@@ -78,8 +78,9 @@ func fuzzServers(t testing.TB) *fuzzBed {
 	bedOnce.Do(func() {
 		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
 		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			// As the upstream resolves the path: decoded by net/http, cleaned as a router does.
-			if strings.HasPrefix(path.Clean("/"+r.URL.Path), "/admin") {
+			// As the upstream resolves the path: decoded by net/http, cleaned as a router does,
+			// and matched by whole segments as the rule's Prefix is.
+			if clean := path.Clean("/" + r.URL.Path); clean == "/admin" || strings.HasPrefix(clean, "/admin/") {
 				b.admin.Add(1)
 				b.mu.Lock()
 				b.seen = append(b.seen, r.Proto+" "+r.Method+" "+r.RequestURI)
