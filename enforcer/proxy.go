@@ -139,18 +139,17 @@ const maxIdleHeaderBytes = 8 << 10
 func b2s(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // rewrite turns the client's request into the upstream's, as httputil.ReverseProxy's Rewrite
-// with SetURL and SetXForwarded: the upstream's scheme and address, the client's Host kept,
-// hop-by-hop fields removed, and X-Forwarded-For (the chain so far plus the peer), -Host and
-// -Proto set.
+// with SetURL and SetXForwarded: the upstream's scheme and address, the client's Host kept, and
+// X-Forwarded-For (the chain so far plus the peer), -Host and -Proto set. serve has removed the
+// hop-by-hop fields already, before the decision.
 func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 	h := &req.Header
-	// Copies, on the stack while they are short: removing fields moves the bytes Peek points into.
+	// Copies, on the stack while they are short: setting fields moves the bytes Peek points into.
 	var hostBuf, xffBuf [128]byte
 	host := append(hostBuf[:0], h.Host()...)
 	if len(host) == 0 {
 		host = append(host, p.upstream.Host...) // an HTTP/1.0 client sent none
 	}
-	removeHopHeaders(h)
 	xff := xffBuf[:0]
 	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
 		xff = append(append(xff, prior...), ", "...)
