@@ -89,3 +89,20 @@ func TestRedisFlagsWhenSentinelThenDecisionsGoToTheMasterItNames(t *testing.T) {
 		t.Errorf("the master holds %d keys (error %v), want the one key of the rule", n, err)
 	}
 }
+
+// The connection and timeout flags take positive values only: 0 would refuse every connection
+// or cut every response, so it is refused at start, naming the flag; the smallest positive value
+// is taken.
+func TestFlagsWhenAConnectionBoundIsNotPositiveThenRefusedNamingIt(t *testing.T) {
+	for flag, values := range map[string][2]string{
+		"--max-conns": {"1", "0"}, "--max-conns-per-client": {"1", "0"},
+		"--read-timeout": {"1ms", "0s"}, "--write-timeout": {"1ms", "0s"},
+	} {
+		if _, err := parse([]string{"--policy=p.yaml", flag + "=" + values[0]}); err != nil {
+			t.Errorf("%s=%s: %v, want it taken", flag, values[0], err)
+		}
+		if _, err := parse([]string{"--policy=p.yaml", flag + "=" + values[1]}); err == nil || !strings.Contains(err.Error(), flag) {
+			t.Errorf("%s=%s: %v, want an error naming %s", flag, values[1], err, flag)
+		}
+	}
+}
