@@ -189,6 +189,20 @@ const (
 	slackUnits  = 1e-9
 )
 
+// later is t + d for a bucket's time t and a span d >= 0, rounded up rather than to the nearest
+// float. Near today's epoch a microsecond timestamp resolves only to 0.25µs, and a sum rounded
+// down gives the client that part of an interval for free: at a fixed rate the rounding falls
+// the same way every time, so a client that keeps its bucket empty gains a unit every few
+// thousand requests (1000/3 µs per unit loses 0.083µs each). Rounded up, the error is at most
+// one float step per admission, and against the client.
+func later(t, d float64) float64 {
+	s := t + d
+	if s-t < d { // s-t is exact: s is within a factor 2 of t for any d below t
+		s = math.Nextafter(s, math.Inf(1))
+	}
+	return s
+}
+
 func micros(d time.Duration) float64 { return float64(d.Microseconds()) }
 
 // fmax and fmin compare as Lua's math.max and math.min do, which the Redis script uses; unlike
@@ -237,7 +251,7 @@ func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) 
 	d := Decision{Limit: l.Limit, Allowed: need <= span+slackMicros}
 	if d.Allowed {
 		if cost > 0 {
-			st.T = base + float64(float64(cost)*interval)
+			st.T = later(base, float64(float64(cost)*interval))
 		}
 	} else {
 		d.RetryAfter = dur(need - span)
@@ -262,7 +276,7 @@ func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) 
 	if d.Allowed {
 		d.Wait = dur(wait)
 		if cost > 0 {
-			st.T = start + own
+			st.T = later(start, own)
 		}
 	} else {
 		// The same request passes once the queue ahead of it is short enough for both bounds.

@@ -66,6 +66,16 @@ local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
 local SW_WINDOWS, SW_SHIFT = 4, 33554432
 
 local function us(x) if x <= 0 then return 0 end return ceil(x) end
+-- later is a bucket's time t plus d >= 0 rounded up, as in enforcer/algorithm: when the sum
+-- rounds down, one float step (2^(e-53) for t = m * 2^e, 0.5 <= m < 1) is added back.
+local function later(t, d)
+  local s = t + d
+  if s - t < d then
+    local _, e = math.frexp(s)
+    s = s + 2 ^ (e - 53)
+  end
+  return s
+end
 -- The sliding log's total member '#' is scored units - LOG_BASE; admission times are at least
 -- LOG_MIN, above every total's score for limits below 2^52.
 local LOG_BASE, LOG_MIN = 9007199254740992, '-4503599627370496'
@@ -116,7 +126,7 @@ local function decide(i, cost)
       local need = base - now + cost * interval
       allowed = need <= span + SLACK_US
       if allowed then
-        if cost > 0 then nt = base + cost * interval end
+        if cost > 0 then nt = later(base, cost * interval) end
       else
         retry = us(need - span)
       end
@@ -127,7 +137,7 @@ local function decide(i, cost)
       allowed = w + own <= span + SLACK_US and w <= maxwait + SLACK_US
       if allowed then
         wait = us(w)
-        if cost > 0 then nt = start + own end
+        if cost > 0 then nt = later(start, own) end
       else
         retry = us(start - min(span - own, maxwait) - now)
       end
