@@ -378,10 +378,12 @@ func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, char
 		}
 		keys := make([]string, 0, len(g)+1)
 		args := []any{chargedAt[gi], id, ""}
-		for _, ci := range g {
+		// A rule named twice in one decision was charged once, the last cost (decide.lua), so
+		// only its last charged check is given back: the checks are walked from the end.
+		for _, ci := range slices.Backward(g) {
 			c := &checks[ci]
-			if c.Cost == 0 || !out[ci].Allowed || free[ci] {
-				continue // not charged: a check, a refusing shadow rule, a free repeat
+			if c.Cost == 0 || !out[ci].Allowed || free[ci] || slices.Contains(keys, c.Key()) {
+				continue // not charged: a check, a refusing shadow rule, a free repeat, a rule named again
 			}
 			keys = append(keys, c.Key())
 			args = append(args, int(c.Limit.Kind), c.Limit.Rate, c.Limit.Period.Microseconds(), c.Cost)
