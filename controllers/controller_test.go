@@ -274,8 +274,8 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 			t.Errorf("%T owner references = %+v, want one controller reference to the policy", o, refs)
 		}
 	}
-	if _, err := enforcer.Load([]byte(cm.Data["policy.yaml"])); err != nil {
-		t.Errorf("the enforcer cannot load the ConfigMap: %v", err)
+	if _, warnings, err := enforcer.Load([]byte(cm.Data["policy.yaml"])); err != nil || len(warnings) > 0 {
+		t.Errorf("the enforcer cannot load the ConfigMap cleanly: %v, warnings %q", err, warnings)
 	}
 	if p.Status.Enforcer == nil || p.Status.Enforcer.ConfigRevision != cm.Annotations[render.RevisionAnnotation] || p.Status.Enforcer.ServiceName != name.Name || p.Status.Enforcer.Replicas != 3 {
 		t.Errorf("status.enforcer = %+v", p.Status.Enforcer)

@@ -137,11 +137,14 @@ func (e *Enforcer) apply(data []byte, source string, kv ...any) {
 		}
 		return
 	}
-	policies, err := Load(data)
+	policies, warnings, err := Load(data)
 	if err != nil {
 		e.reloads.WithLabelValues("refused").Inc()
 		e.cfg.Log.Error(err, "Refused a changed policy file; the last good policies stay", append(kv, "revision", rev)...)
 		return
+	}
+	for _, w := range warnings {
+		e.cfg.Log.Info("Policy file: "+w, append(kv, "revision", rev)...)
 	}
 	e.limiter.SetPolicies(policies)
 	e.served.Store(&served{Revision: rev, Since: e.now(), Source: source})

@@ -88,7 +88,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			}
 			_, _ = io.Copy(io.Discard, r.Body)
 		}))
-		policies, err := Load([]byte(fuzzPolicy))
+		policies, _, err := Load([]byte(fuzzPolicy))
 		if err != nil {
 			panic(err)
 		}
@@ -297,7 +297,7 @@ func FuzzLoad(f *testing.F) {
 		f.Add(data)
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		policies, err := Load(data)
+		policies, _, err := Load(data)
 		if err != nil {
 			if err.Error() == "" {
 				t.Fatal("refused without a message")

@@ -8,9 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 
 	utiljson "k8s.io/apimachinery/pkg/util/json"
-	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 
@@ -19,14 +19,18 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/schema"
 )
 
-// Load compiles one or more RateLimitPolicy documents, exactly as users apply them with kubectl:
-// the file a user writes for standalone mode, and the one the controller renders into the
-// enforcer's ConfigMap, read from the mount or through the API server, all go through here.
+// Load compiles the RateLimitPolicy documents of a file, exactly as users apply them with
+// kubectl: the file a user writes for standalone mode, and the one the controller renders into
+// the enforcer's ConfigMap, read from the mount or through the API server, all go through here.
 // Each is held to what the API server would hold it to (see Validate); unknown fields are
 // errors, so a typo is never silently dropped.
-func Load(data []byte) ([]*policy.Policy, error) {
+//
+// A file made for kubectl loads as it is, and what the enforcer does not take from it is said in
+// the warnings, never dropped in silence: documents of other kinds (the Service and Deployment a
+// sample ships beside its policy) are skipped, and a policy's spec.storage is ignored, since an
+// enforcer takes its store from flags.
+func Load(data []byte) (policies []*policy.Policy, warnings []string, err error) {
 	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
-	var out []*policy.Policy
 	ids := map[string]bool{}
 	for doc := 1; ; doc++ {
 		raw, err := reader.Read()
@@ -34,32 +38,57 @@ func Load(data []byte) ([]*policy.Policy, error) {
 			break
 		}
 		if err != nil {
-			return nil, fmt.Errorf("document %d: %w", doc, err)
+			return nil, nil, fmt.Errorf("document %d: %w", doc, err)
 		}
 		if len(bytes.TrimSpace(raw)) == 0 || isOnlyComments(raw) {
 			continue
 		}
+		if kind, ok := otherKind(raw); ok {
+			warnings = append(warnings, fmt.Sprintf("document %d: skipped %s: not a RateLimitPolicy", doc, kind))
+			continue
+		}
 		p, err := decode(raw)
 		if err != nil {
-			return nil, fmt.Errorf("document %d: %w", doc, err)
+			return nil, nil, fmt.Errorf("document %d: %w", doc, err)
 		}
 		c, err := policy.Compile(p)
 		if err != nil {
-			return nil, fmt.Errorf("policy %s/%s: %w", p.Namespace, p.Name, err)
+			return nil, nil, fmt.Errorf("policy %s/%s: %w", p.Namespace, p.Name, err)
 		}
 		if p.Spec.Storage != nil {
-			return nil, fmt.Errorf("policy %s/%s: %w", p.Namespace, p.Name, field.Forbidden(field.NewPath("spec", "storage"), storageFromFlags))
+			warnings = append(warnings, fmt.Sprintf("policy %s/%s: spec.storage ignored: %s", p.Namespace, p.Name, storageFromFlags))
 		}
 		if ids[c.ID] {
-			return nil, fmt.Errorf("policy %s appears twice", c.ID)
+			return nil, nil, fmt.Errorf("policy %s appears twice", c.ID)
 		}
 		ids[c.ID] = true
-		out = append(out, c)
+		policies = append(policies, c)
 	}
-	if len(out) == 0 {
-		return nil, errors.New("no RateLimitPolicy found")
+	if len(policies) == 0 {
+		return nil, nil, errors.New("no RateLimitPolicy found")
 	}
-	return out, nil
+	return policies, warnings, nil
+}
+
+// otherKind reports the kind and apiVersion of a document that is not of this API group's
+// RateLimitPolicy kind, which Load skips. A RateLimitPolicy of another version of the group is
+// not skipped but refused by decode: it is meant for the enforcer, which cannot read it.
+func otherKind(raw []byte) (string, bool) {
+	var head struct {
+		APIVersion string `json:"apiVersion"`
+		Kind       string `json:"kind"`
+	}
+	if yaml.Unmarshal(raw, &head) != nil {
+		return "", false // decode names the error
+	}
+	group, _, _ := strings.Cut(head.APIVersion, "/")
+	if !strings.Contains(head.APIVersion, "/") {
+		group = "" // the core group: v1
+	}
+	if head.Kind == "RateLimitPolicy" && group == v1alpha1.GroupVersion.Group || head.Kind == "" && head.APIVersion == "" {
+		return "", false
+	}
+	return fmt.Sprintf("%s %s", head.APIVersion, head.Kind), true
 }
 
 // Validate decodes one RateLimitPolicy document and judges it as the API server would on
@@ -101,6 +130,15 @@ func decode(raw []byte) (*v1alpha1.RateLimitPolicy, error) {
 		meta, _ := obj["metadata"].(map[string]any)
 		return fmt.Sprintf("%v/%v", meta["namespace"], meta["name"])
 	}()
+	// As the API server with kubectl's strict field validation: unknown fields are refused when
+	// the object is decoded, before any validation could report what a misspelt field left out.
+	if unknown := schema.UnknownFields(obj); len(unknown) > 0 {
+		quoted := make([]string, len(unknown))
+		for i, f := range unknown {
+			quoted[i] = fmt.Sprintf("unknown field %q", f)
+		}
+		return nil, fmt.Errorf("policy %s: strict decoding error: %s", name, strings.Join(quoted, ", "))
+	}
 	if errs := schema.Validate(context.Background(), obj); len(errs) > 0 {
 		return nil, fmt.Errorf("policy %s: %w", name, errs.ToAggregate())
 	}
@@ -117,7 +155,7 @@ func decode(raw []byte) (*v1alpha1.RateLimitPolicy, error) {
 
 // storageFromFlags says why a file may not choose the store: one enforcer has one store for all
 // the policies of its file, and the controller passes it as flags too.
-const storageFromFlags = "an enforcer takes its store from flags, not from the policy file: remove spec.storage and " +
+const storageFromFlags = "an enforcer takes its store from flags, not from the policy file: " +
 	"start it with --redis-url, --redis-cluster or --redis-sentinel for Redis, or with none of them for the memory store"
 
 func isOnlyComments(raw []byte) bool {

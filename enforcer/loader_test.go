@@ -27,7 +27,7 @@ func TestLoadWhenPolicyIsInvalidThenRefusedNamingTheFieldAsTheAPIServerDoes(t *t
 			if err != nil {
 				t.Fatal(err)
 			}
-			_, err = enforcer.Load(data)
+			_, _, err = enforcer.Load(data)
 			if err == nil || !strings.Contains(err.Error(), c.Field) {
 				t.Errorf("err = %v, want it to name %s (%s)", err, c.Field, c.Message)
 			}
@@ -66,7 +66,7 @@ func TestLoadWhenAFileBreaksTheSchemaThenTheFieldIsNamed(t *testing.T) {
 				name = "Not_A_Name"
 			}
 			doc := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: " + name + ", namespace: shop}\nspec:\n  targetRef: {name: api, port: 80}\n" + c.spec
-			_, err := enforcer.Load([]byte(doc))
+			_, _, err := enforcer.Load([]byte(doc))
 			if err == nil || !strings.Contains(err.Error(), c.field+":") {
 				t.Errorf("err = %v, want it to name %s", err, c.field)
 			}
@@ -74,12 +74,38 @@ func TestLoadWhenAFileBreaksTheSchemaThenTheFieldIsNamed(t *testing.T) {
 	}
 }
 
-// The store comes from flags: a file that names one is refused with a message that says so.
-func TestLoadWhenAFileNamesItsStorageThenItIsRefusedPointingToTheFlags(t *testing.T) {
-	doc := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: api, namespace: shop}\nspec:\n  targetRef: {name: api, port: 80}\n" +
+// A file made for kubectl loads as it is: documents of other kinds are skipped and spec.storage
+// is ignored, each said in a warning (the store comes from flags), never in silence. A
+// RateLimitPolicy of a version the enforcer cannot read is refused, and a file of no policy too.
+func TestLoadWhenAFileHoldsOtherKindsOrAStorageThenTheyAreSkippedWithAWarning(t *testing.T) {
+	policy := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: api, namespace: shop}\nspec:\n  targetRef: {name: api, port: 80}\n" +
 		"  storage: {redis: {addresses: [\"redis:6379\"]}}\n  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\n"
-	_, err := enforcer.Load([]byte(doc))
-	if err == nil || !strings.Contains(err.Error(), "spec.storage: Forbidden") || !strings.Contains(err.Error(), "--redis-url") {
-		t.Errorf("err = %v, want spec.storage refused, naming the flags", err)
+	service := "apiVersion: v1\nkind: Service\nmetadata: {name: api}\nspec: {ports: [{port: 80}]}\n"
+	deployment := "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: api}\n"
+	ps, warnings, err := enforcer.Load([]byte(service + "---\n" + policy + "---\n" + deployment))
+	if err != nil || len(ps) != 1 || ps[0].ID != "shop/api" {
+		t.Fatalf("Load = %v, %v, want the one policy", ps, err)
+	}
+	want := []string{
+		"document 1: skipped v1 Service: not a RateLimitPolicy",
+		"policy shop/api: spec.storage ignored: an enforcer takes its store from flags",
+		"document 3: skipped apps/v1 Deployment: not a RateLimitPolicy",
+	}
+	if len(warnings) != len(want) {
+		t.Fatalf("warnings %q, want %q", warnings, want)
+	}
+	for i := range want {
+		if !strings.HasPrefix(warnings[i], want[i]) {
+			t.Errorf("warning %d = %q, want it to start %q", i, warnings[i], want[i])
+		}
+	}
+	for name, doc := range map[string]string{
+		"another version of the kind": strings.Replace(policy, "v1alpha1", "v1beta1", 1),
+		"only other kinds":            service + "---\n" + deployment,
+		"a policy with no apiVersion": strings.Replace(policy, "apiVersion: ratelimit.sluice.dev/v1alpha1\n", "", 1),
+	} {
+		if _, _, err := enforcer.Load([]byte(doc)); err == nil {
+			t.Errorf("%s: loaded, want refused", name)
+		}
 	}
 }

@@ -145,9 +145,12 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
 	}
-	policies, err := Load(data)
+	policies, warnings, err := Load(data)
 	if err != nil {
 		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
+	}
+	for _, w := range warnings {
+		cfg.Log.Info("Policy file: "+w, "file", cfg.PolicyFile)
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

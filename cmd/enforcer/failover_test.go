@@ -36,7 +36,7 @@ spec:
 // redisKey is the Redis key of a client of failoverPolicy, to find the node that holds it.
 func redisKey(t *testing.T, client string) string {
 	t.Helper()
-	ps, err := enforcer.Load([]byte(failoverPolicy))
+	ps, _, err := enforcer.Load([]byte(failoverPolicy))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,11 +74,18 @@ func startEnforcerWith(t *testing.T, policy string, storeFlags ...string) *enfor
 // enforcer's log if it fails.
 func runBinary(t *testing.T, flags ...string) (proxy, admin string) {
 	t.Helper()
+	proxy, admin, _ = runBinaryLogged(t, flags...)
+	return proxy, admin
+}
+
+// runBinaryLogged is runBinary that also returns the enforcer's log.
+func runBinaryLogged(t *testing.T, flags ...string) (proxy, admin string, log *local.Output) {
+	t.Helper()
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
 	t.Cleanup(up.Close)
 	proxy, _ = local.FreeAddr()
 	admin, _ = local.FreeAddr()
-	log := &local.Output{}
+	log = &local.Output{}
 	p, err := local.Start("enforcer", log, binary(t), append([]string{
 		"--upstream=" + up.URL, "--listen=" + proxy, "--check-listen=", "--admin-listen=" + admin, "--shutdown-delay=0s",
 	}, flags...)...)
@@ -94,7 +101,7 @@ func runBinary(t *testing.T, flags ...string) (proxy, admin string) {
 	if err := local.WaitHTTP(p, "http://"+admin+"/readyz", 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	return proxy, admin
+	return proxy, admin, log
 }
 
 // send sends n requests for client, conc at a time, and counts the answers by status.

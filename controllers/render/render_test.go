@@ -79,8 +79,8 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 				t.Errorf("rendered objects differ from %s (-want +got):\n%s", golden, diff)
 			}
 			// The enforcer reads the ConfigMap with the loader it uses for standalone files.
-			if _, err := enforcer.Load([]byte(objs.ConfigMap.Data["policy.yaml"])); err != nil {
-				t.Errorf("the enforcer cannot load the rendered config: %v", err)
+			if _, warnings, err := enforcer.Load([]byte(objs.ConfigMap.Data["policy.yaml"])); err != nil || len(warnings) > 0 {
+				t.Errorf("the enforcer cannot load the rendered config cleanly: %v, warnings %q", err, warnings)
 			}
 		})
 	}

@@ -64,7 +64,7 @@ func (c *clock) Add(d time.Duration) { c.now = c.now.Add(d) }
 func newClock() *clock               { return &clock{now: time.Unix(1_700_000_000, 0)} }
 func policies(t *testing.T, doc string) []*policy.Policy {
 	t.Helper()
-	ps, err := enforcer.Load([]byte(doc))
+	ps, _, err := enforcer.Load([]byte(doc))
 	if err != nil {
 		t.Fatal(err)
 	}

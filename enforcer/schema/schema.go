@@ -17,6 +17,7 @@ import (
 	structuraldefaulting "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/defaulting"
 	structurallisttype "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/listtype"
 	schemaobjectmeta "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/objectmeta"
+	structuralpruning "k8s.io/apiextensions-apiserver/pkg/apiserver/schema/pruning"
 	apiservervalidation "k8s.io/apiextensions-apiserver/pkg/apiserver/validation"
 	"k8s.io/apimachinery/pkg/api/operation"
 	"k8s.io/apimachinery/pkg/api/validation"
@@ -88,6 +89,21 @@ func Validate(ctx context.Context, obj map[string]any) field.ErrorList {
 	}
 	celErrs, _ := v.cel.Validate(ctx, nil, v.structural, obj, nil, celconfig.RuntimeCELCostBudget)
 	return append(errs, celErrs...)
+}
+
+// UnknownFields returns the paths of the fields of obj that the CRD's schema does not know, as
+// the API server finds them under strict field validation (kubectl's default): metadata's, then
+// the rest of the object's, pruned from obj.
+func UnknownFields(obj map[string]any) []string {
+	v, err := load()
+	if err != nil {
+		return nil // Validate reports it
+	}
+	_, _, unknown, err := schemaobjectmeta.GetObjectMetaWithOptions(obj, schemaobjectmeta.ObjectMetaOptions{ReturnUnknownFieldPaths: true})
+	if err != nil {
+		return nil // malformed metadata: Validate names it
+	}
+	return append(unknown, structuralpruning.PruneWithOptions(obj, v.structural, true, structuralschema.UnknownFieldPathOptions{TrackUnknownFieldPaths: true})...)
 }
 
 // validateMetadata applies the API server's checks of a namespaced custom resource's metadata:

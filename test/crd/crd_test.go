@@ -25,7 +25,10 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"sigs.k8s.io/yaml"
+
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/test/testenv"
 )
 
@@ -282,5 +285,41 @@ func TestAdmissionMessagesWhenAPolicyIsIncompleteOrWrongThenEachFieldIsNamedOnce
 	got = causes(k8s.Create(ctx, wrong, client.DryRunAll))
 	if len(got) != 1 || len(got["spec.defaultFailureMode"]) != 1 {
 		t.Errorf("a misspelt defaultFailureMode: %v, want one message, at spec.defaultFailureMode", got)
+	}
+}
+
+// A misspelt field is refused as the unknown field it is, by the API server under kubectl's
+// strict field validation and by the standalone enforcer's loader alike, and not as the field it
+// left out ("capacity: Required value" for a "capcity").
+func TestUnknownFieldsWhenCreatedStrictlyThenTheLoaderNamesThemAsTheAPIServerDoes(t *testing.T) {
+	tier.Needs(t, "the test control plane")
+	ns := testenv.Namespace(t, k8s, "crd")
+	cases := []struct{ name, doc, field string }{
+		{"a misspelt capacity", "spec:\n  targetRef: {name: api, port: 80}\n  rules:\n    - {name: a, tokenBucket: {capcity: 5, refill: {tokens: 1, period: 1s}}}\n", "spec.rules[0].tokenBucket.capcity"},
+		{"a field beside the rules", "spec:\n  targetRef: {name: api, port: 80}\n  rule: []\n  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\n", "spec.rule"},
+		{"a field of the status", "spec:\n  targetRef: {name: api, port: 80}\n  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\nstatus: {enforced: true}\n", "status.enforced"},
+		{"a field of the metadata", "spec:\n  targetRef: {name: api, port: 80}\n  rules:\n    - {name: a, fixedWindow: {limit: 5, window: 1s}}\n", "metadata.label"},
+	}
+	for i, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			meta := fmt.Sprintf("metadata:\n  name: unknown-%d\n  namespace: %s\n", i, ns)
+			if c.field == "metadata.label" {
+				meta += "  label: {a: b}\n"
+			}
+			doc := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\n" + meta + c.doc
+			u := &unstructured.Unstructured{}
+			if err := yaml.Unmarshal([]byte(doc), &u.Object); err != nil {
+				t.Fatal(err)
+			}
+			want := fmt.Sprintf("unknown field %q", c.field)
+			err := k8s.Create(context.Background(), u, client.FieldValidation(metav1.FieldValidationStrict))
+			if !apierrors.IsBadRequest(err) || !strings.Contains(err.Error(), want) {
+				t.Fatalf("the API server: %v, want BadRequest with %s", err, want)
+			}
+			_, _, err = enforcer.Load([]byte(doc))
+			if err == nil || !strings.Contains(err.Error(), "strict decoding error: "+want) || strings.Contains(err.Error(), "Required") {
+				t.Errorf("the loader: %v, want the strict decoding error %s alone, as the API server says", err, want)
+			}
+		})
 	}
 }
