@@ -138,15 +138,23 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 				}
 			}
 		}
+		// A refused repeat's Retry-After on Redis is its record's PTTL, which Redis's clock has
+		// moved since the record was written: at most the wall time since this input began.
+		began := time.Now()
 		equal := cmp.Comparer(func(a, b algorithm.Decision) bool {
-			if idem && a.RetryAfter != b.RetryAfter && (a.RetryAfter-b.RetryAfter).Abs() <= time.Millisecond {
+			if idem && a.RetryAfter != b.RetryAfter && (a.RetryAfter-b.RetryAfter).Abs() <= time.Since(began)+time.Millisecond {
 				b.RetryAfter = a.RetryAfter
 			}
 			return a == b
 		})
 		ctx := context.Background()
-		ends := map[string]time.Time{} // each key's TTL by the test's clock
+		ends := map[string]time.Time{}       // each key's TTL by the test's clock
+		recordEnds := map[string]time.Time{} // each record's TTL by the wall clock, Redis's
 		for step := 0; step < 64 && !in.done(); step++ {
+			if k := ending(recordEnds); k != "" {
+				t.Logf("record %s ends by Redis's clock, which the test does not drive: compared up to here", k)
+				return
+			}
 			maxPeriod := time.Duration(0)
 			for i := range checks {
 				maxPeriod = max(maxPeriod, checks[i].Limit.Period)
@@ -163,6 +171,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 			if err != nil {
 				t.Fatalf("step %d: memory: %v", step, err)
 			}
+			decided := time.Now()
 			gotCharged, err := rs.Decide(ctx, checks, got)
 			if err != nil {
 				t.Fatalf("step %d: redis: %v (checks %+v)", step, err, checks)
@@ -188,7 +197,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 			}
 			// Both checks run for every key; an input whose states Redis's own clock has moved
 			// apart ends here, compared up to this step.
-			keys, records := keepKeys(t, rs.Client(), checks, want, wantCharged, ends, clock.Now()), keepRecords(t, rs.Client(), checks, want)
+			keys, records := keepKeys(t, rs.Client(), checks, want, wantCharged, ends, clock.Now()), keepRecords(t, rs.Client(), checks, want, decided, recordEnds)
 			if !keys || !records {
 				return
 			}
@@ -246,21 +255,23 @@ func expire(t *testing.T, c redis.UniversalClient, ends map[string]time.Time, no
 }
 
 // keepRecords fails unless every idempotency record of the checks has a TTL or does not exist,
-// and reports false for an input whose record Redis's clock may end before the sequence does (the
-// memory store's clock stands still in these sequences), or has already ended: a refusal's
-// record lives for its Retry-After, which may be a millisecond.
-func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision) (comparable bool) {
+// and notes in ends when each ends by the wall clock, which is Redis's (the memory store's clock
+// stands still in these sequences; see ending). It reports false for an input whose record may
+// have ended already: a refusal's record lives for its Retry-After, which may be a millisecond,
+// less than the time since the decision, decided.
+func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (comparable bool) {
 	t.Helper()
 	comparable = true
 	shortRefusal := false
 	for i := range out {
-		shortRefusal = shortRefusal || !out[i].Allowed && !out[i].Never && out[i].RetryAfter < 500*time.Millisecond
+		shortRefusal = shortRefusal || !out[i].Allowed && !out[i].Never && out[i].RetryAfter <= time.Since(decided)+10*time.Millisecond
 	}
 	for i := range checks {
 		if checks[i].Idempotency == nil {
 			continue
 		}
 		k := store.KeyPrefix + "{" + checks[i].Tag + "}i" + checks[i].Idempotency.Key
+		read := time.Now()
 		ttl, err := c.PTTL(context.Background(), k).Result()
 		switch {
 		case err != nil:
@@ -271,10 +282,20 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 		case ttl == -2*time.Nanosecond:
 		case ttl < 0:
 			t.Fatalf("record %s of rule %d has no TTL: PTTL %v", k, i, ttl)
-		case ttl < 500*time.Millisecond:
-			t.Logf("record %s ends in %v by Redis's clock, which the test does not drive: compared up to here", k, ttl)
-			comparable = false
+		default:
+			ends[k] = read.Add(ttl)
 		}
 	}
 	return comparable
+}
+
+// ending names a record that ends by the wall clock within the next 100ms, or none: the memory
+// store would still hold it when Redis no longer does.
+func ending(ends map[string]time.Time) string {
+	for k, end := range ends {
+		if time.Until(end) < 100*time.Millisecond {
+			return k
+		}
+	}
+	return ""
 }
