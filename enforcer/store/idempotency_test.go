@@ -236,3 +236,25 @@ func TestStoresWhenARepeatMatchesRulesOfAnotherPolicyThenOnlyItsRecordsRulesPass
 		})
 	}
 }
+
+// A request that can never pass (its cost above the limit) leaves no refused record: its repeat
+// is refused as it was, as never passing, and carries no Retry-After that the record's time
+// would promise, on every store; a passing request with the same key is then decided afresh.
+func TestStoresWhenARequestThatCanNeverPassIsRepeatedThenTheRepeatCanNeverPassEither(t *testing.T) {
+	for _, tg := range targets() {
+		t.Run(tg.name, func(t *testing.T) {
+			clock := &fakeClock{now: time.Unix(1_700_000_000, 0)}
+			s := tg.make(t, clock.Now)
+			huge := idemCheck(t, tg.name, "alice", 5, "order-1", 3)
+			huge.Cost = 6
+			for attempt := range 2 {
+				if d := decideOnce(t, s, huge); d.Allowed || !d.Never || d.RetryAfter != 0 {
+					t.Fatalf("attempt %d: %+v, want never passing without a Retry-After", attempt, d)
+				}
+			}
+			if d := decideOnce(t, s, idemCheck(t, tg.name, "alice", 5, "order-1", 3)); !d.Allowed || d.Remaining != 4 {
+				t.Errorf("the same key at a cost that fits: %+v, want it decided and charged", d)
+			}
+		})
+	}
+}

@@ -270,16 +270,20 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		// Nothing is charged, so the rules that would have allowed report their state as it
 		// stays: what a cost-0 check sees.
 		var retry time.Duration
+		never := false
 		for i := range checks {
 			if c := &checks[i]; out[i].Allowed && !free[i] && c.Cost > 0 {
 				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
 				out[i].Allowed = true
 			} else if !out[i].Allowed && c.Enforce {
 				retry = max(retry, out[i].RetryAfter)
+				never = never || out[i].Never
 			}
 		}
 		for j := range recs {
-			if r := &recs[j]; r.rec == nil {
+			// A request that can never pass leaves no record: its repeats are refused as it
+			// was, never with a Retry-After that the record's time would promise.
+			if r := &recs[j]; r.rec == nil && !never {
 				// The first refusal of this request: its repeats are refused until its
 				// Retry-After, in whole milliseconds as Redis keeps the record's TTL.
 				s.makeRecordRoom(r.sh, now, r.key)

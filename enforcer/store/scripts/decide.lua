@@ -315,7 +315,7 @@ if commit then
 end
 
 local out = {commit and (all_free and 2 or 1) or 0, now}
-local retry_max = 0
+local retry_max, never = 0, false
 for i = 1, n do
   local r = res[i]
   local cost = tonumber(arg(i, 5))
@@ -324,7 +324,10 @@ for i = 1, n do
     r = {evaluate(i, 0)}
     r[1] = true
   end
-  if not r[1] and enforced(i) then retry_max = max(retry_max, r[4]) end
+  if not r[1] and enforced(i) then
+    retry_max = max(retry_max, r[4])
+    never = never or r[4] == NEVER
+  end
   out[#out + 1] = r[1] and (free[i] and 2 or 1) or 0
   out[#out + 1] = r[2]
   out[#out + 1] = r[3]
@@ -333,8 +336,9 @@ for i = 1, n do
 end
 if not commit then
   for _, r in ipairs(recs) do
-    if not r.seen then
-      -- The first refusal of this request: its repeats are refused until its Retry-After.
+    if not r.seen and not never then
+      -- The first refusal of this request: its repeats are refused until its Retry-After. A
+      -- request that can never pass leaves no record: its repeats are refused as it was.
       redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
     end
   end
