@@ -38,6 +38,21 @@ const (
 	Invalid
 )
 
+// String names the outcome in logs.
+func (o Outcome) String() string {
+	switch o {
+	case Allowed:
+		return "allowed"
+	case Limited:
+		return "limited"
+	case Unavailable:
+		return "unavailable"
+	case Invalid:
+		return "invalid"
+	}
+	return "outcome " + strconv.Itoa(int(o))
+}
+
 // MaxChecks bounds the rules one decision charges, so that no call is one unbounded store
 // script: a request (or Envoy descriptors) matching more is Invalid.
 const MaxChecks = 64
@@ -197,8 +212,26 @@ type decideBufs struct {
 
 var bufPool = sync.Pool{New: func() any { return new(decideBufs) }}
 
-// Decide decides one request.
+// Decide decides one request. A refusal is logged at V(1) (the enforcer's --log-level=debug), one
+// line each, naming its policy and rule, never the client.
 func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
+	res := l.decideOne(ctx, req)
+	if res.Outcome != Allowed {
+		if log := l.log.V(1); log.Enabled() {
+			args := []any{"outcome", res.Outcome.String(), "method", req.Method, "path", req.Path}
+			if res.Rule != nil {
+				args = append(args, "policy", res.Policy, "rule", res.Rule.Name, "retryAfter", res.RetryAfter.String())
+			}
+			if res.Reason != "" {
+				args = append(args, "reason", res.Reason)
+			}
+			log.Info("Request refused", args...)
+		}
+	}
+	return res
+}
+
+func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 	bufs := bufPool.Get().(*decideBufs)
 	defer func() {
 		*bufs = decideBufs{} // no strings or rules kept alive by the pool

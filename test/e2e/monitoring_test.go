@@ -89,6 +89,11 @@ func TestMonitoringWhenScrapedLiveThenAlertsAndDashboardNameOnlyExportedSeries(t
 			}
 		}
 	}
+	for binary, m := range map[string]map[string][]string{"manager": managerExported, "enforcer": enforcerExported} {
+		if got := m["sluice_build_info"]; !slices.Contains(got, "version") || !slices.Contains(got, "commit") || !slices.Contains(got, "go_version") {
+			t.Errorf("the %s's sluice_build_info has labels %v, want version, commit and go_version", binary, got)
+		}
+	}
 	if !slices.Contains(managerExported["sluice_policy_replicas_serving"], "namespace") ||
 		!slices.Contains(enforcerExported["sluice_decisions_total"], "namespace") {
 		t.Errorf("per-policy series without a namespace label: manager %v, enforcer %v",
