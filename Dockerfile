@@ -5,13 +5,18 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY api/ api/
+COPY buildinfo/ buildinfo/
 COPY cmd/ cmd/
 COPY controllers/ controllers/
 COPY enforcer/ enforcer/
 COPY webhook/ webhook/
 ARG TARGETOS TARGETARCH
-RUN CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH} go build -trimpath -ldflags=-s -o /out/manager ./cmd/manager && \
-    CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH} go build -trimpath -ldflags=-s -o /out/enforcer ./cmd/enforcer
+# The build context has no .git, so Go records no commit: --version and sluice_build_info take
+# VERSION and COMMIT from here (make docker-build passes them).
+ARG VERSION=unknown COMMIT=unknown
+RUN ldflags="-s -X github.com/sluice-dev/sluice/buildinfo.version=${VERSION} -X github.com/sluice-dev/sluice/buildinfo.commit=${COMMIT}" && \
+    CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH} go build -trimpath -ldflags="$ldflags" -o /out/manager ./cmd/manager && \
+    CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH} go build -trimpath -ldflags="$ldflags" -o /out/enforcer ./cmd/enforcer
 
 FROM gcr.io/distroless/static:nonroot AS enforcer
 COPY --from=build /out/enforcer /enforcer

@@ -12,6 +12,10 @@ GOLANGCI_LINT := $(TOOL) golangci-lint
 KUSTOMIZE := $(TOOL) kustomize
 
 IMG ?= ghcr.io/sluice-dev/sluice-manager:latest
+# What --version and sluice_build_info report of the binaries and images built here.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo unknown)
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+LDFLAGS := -X github.com/sluice-dev/sluice/buildinfo.version=$(VERSION) -X github.com/sluice-dev/sluice/buildinfo.commit=$(COMMIT)
 ENFORCER_IMG ?= ghcr.io/sluice-dev/sluice-enforcer:latest
 
 ##@ General
@@ -120,13 +124,13 @@ bench: redis-server ## Run the Go benchmarks, and the thousand-policy tests of t
 
 .PHONY: build
 build: ## Build bin/manager and bin/enforcer.
-	go build -o bin/manager ./cmd/manager
-	go build -o bin/enforcer ./cmd/enforcer
+	go build -ldflags '$(LDFLAGS)' -o bin/manager ./cmd/manager
+	go build -ldflags '$(LDFLAGS)' -o bin/enforcer ./cmd/enforcer
 
 .PHONY: docker-build
 docker-build: ## Build the images IMG (manager) and ENFORCER_IMG from the Dockerfile.
-	docker build --target manager -t $(IMG) .
-	docker build --target enforcer -t $(ENFORCER_IMG) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) --target manager -t $(IMG) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) --target enforcer -t $(ENFORCER_IMG) .
 
 .PHONY: docker-push
 docker-push: ## Push the images IMG and ENFORCER_IMG.

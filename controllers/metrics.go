@@ -44,8 +44,8 @@ const (
 )
 
 // The manager's metrics, beside controller-runtime's own (reconcile totals, latencies, work
-// queues), on the same endpoint. Per-policy series carry the policy label as the enforcers'
-// metrics do: "namespace/name".
+// queues), on the same endpoint. Per-policy series carry the policy's namespace and name as the
+// enforcers' metrics do, in the labels namespace and policy.
 var (
 	reconcileErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sluice_manager_reconcile_errors_total",
@@ -62,15 +62,15 @@ var (
 	replicasDesired = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "sluice_policy_replicas_desired",
 		Help: "Enforcer replicas a policy asks for, once its objects are programmed.",
-	}, []string{"policy"})
+	}, []string{"namespace", "policy"})
 	replicasServing = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "sluice_policy_replicas_serving",
 		Help: "Enforcer replicas of a policy that are ready and report serving its current configuration revision.",
-	}, []string{"policy"})
+	}, []string{"namespace", "policy"})
 	policyCondition = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "sluice_policy_condition",
 		Help: "1 when a policy's condition (Accepted, Programmed, Ready, Degraded) has status True, 0 otherwise; reason is the condition's reason.",
-	}, []string{"policy", "condition", "reason"})
+	}, []string{"namespace", "policy", "condition", "reason"})
 )
 
 func init() {
@@ -127,10 +127,10 @@ func exportStatus(key types.NamespacedName, st *v1alpha1.RateLimitPolicyStatus) 
 	if ok && prev.(exportedStatus).equal(next) {
 		return
 	}
-	id := key.Namespace + "/" + key.Name
+	ns, name := key.Namespace, key.Name
 	if ok {
 		for _, c := range prev.(exportedStatus).conditions {
-			policyCondition.DeleteLabelValues(id, c.typ, c.reason)
+			policyCondition.DeleteLabelValues(ns, name, c.typ, c.reason)
 		}
 	}
 	for _, c := range next.conditions {
@@ -138,14 +138,14 @@ func exportStatus(key types.NamespacedName, st *v1alpha1.RateLimitPolicyStatus) 
 		if c.true {
 			v = 1
 		}
-		policyCondition.WithLabelValues(id, c.typ, c.reason).Set(v)
+		policyCondition.WithLabelValues(ns, name, c.typ, c.reason).Set(v)
 	}
 	if next.enforcer {
-		replicasDesired.WithLabelValues(id).Set(float64(next.desired))
-		replicasServing.WithLabelValues(id).Set(float64(next.serving))
+		replicasDesired.WithLabelValues(ns, name).Set(float64(next.desired))
+		replicasServing.WithLabelValues(ns, name).Set(float64(next.serving))
 	} else {
-		replicasDesired.DeleteLabelValues(id)
-		replicasServing.DeleteLabelValues(id)
+		replicasDesired.DeleteLabelValues(ns, name)
+		replicasServing.DeleteLabelValues(ns, name)
 	}
 	exported.Store(key, next)
 }
@@ -175,10 +175,10 @@ func forgetStatus(key types.NamespacedName) {
 	if !ok {
 		return // nothing exported, or forgotten already: the lookup of a deleted policy costs nothing
 	}
-	id := key.Namespace + "/" + key.Name
+	ns, name := key.Namespace, key.Name
 	for _, c := range prev.(exportedStatus).conditions {
-		policyCondition.DeleteLabelValues(id, c.typ, c.reason)
+		policyCondition.DeleteLabelValues(ns, name, c.typ, c.reason)
 	}
-	replicasDesired.DeleteLabelValues(id)
-	replicasServing.DeleteLabelValues(id)
+	replicasDesired.DeleteLabelValues(ns, name)
+	replicasServing.DeleteLabelValues(ns, name)
 }

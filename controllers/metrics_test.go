@@ -54,8 +54,8 @@ func hasLabel(m *dto.Metric, name, value string) bool {
 }
 
 // The manager exports what an operator alerts on: each policy's desired and serving replicas and
-// its conditions, reports it could not read, and reconciles that failed, by reason. A policy's
-// series go with it.
+// its conditions, under the policy's namespace and name as labels apart, reports it could not read,
+// and reconciles that failed, by reason. A policy's series go with it.
 func TestMetricsWhenPoliciesAndReplicasChangeThenTheManagerExportsThem(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "metrics")
@@ -66,7 +66,7 @@ func TestMetricsWhenPoliciesAndReplicasChangeThenTheManagerExportsThem(t *testin
 	}
 	kubelet := runEnforcers(t, ns)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
-	id := map[string]string{"policy": ns + "/api-limits"}
+	id := map[string]string{"namespace": ns, "policy": "api-limits"}
 	gauge := func(name string, labels map[string]string) float64 {
 		v, ok := metric(t, name, labels)
 		if !ok {
@@ -77,7 +77,7 @@ func TestMetricsWhenPoliciesAndReplicasChangeThenTheManagerExportsThem(t *testin
 	if d, s := gauge("sluice_policy_replicas_desired", id), gauge("sluice_policy_replicas_serving", id); d != 3 || s != 3 {
 		t.Errorf("replicas desired %v, serving %v; want 3 and 3", d, s)
 	}
-	if v := gauge("sluice_policy_condition", map[string]string{"policy": id["policy"], "condition": "Ready", "reason": v1alpha1.ReasonAvailable}); v != 1 {
+	if v := gauge("sluice_policy_condition", map[string]string{"namespace": ns, "policy": "api-limits", "condition": "Ready", "reason": v1alpha1.ReasonAvailable}); v != 1 {
 		t.Errorf("Ready condition = %v, want 1", v)
 	}
 

@@ -362,7 +362,7 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 // moved counts or reworded messages.
 func noticeable(old, cur *v1alpha1.RateLimitPolicyStatus) bool {
 	if old.ObservedGeneration != cur.ObservedGeneration || len(old.Conditions) != len(cur.Conditions) ||
-		(old.Enforcer == nil) != (cur.Enforcer == nil) {
+		(old.Enforcer == nil) != (cur.Enforcer == nil) || old.RuleNames != cur.RuleNames {
 		return true
 	}
 	for _, c := range cur.Conditions {

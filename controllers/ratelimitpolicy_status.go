@@ -106,6 +106,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Replicas: obs.replicas, Image: obs.image,
 			ConfigRevision: obs.revision, ReadyReplicas: serving, Ready: fmt.Sprintf("%d/%d", serving, obs.replicas), Storage: obs.storage}
 	}
+	st.RuleNames = ruleNames(p.Spec.Rules)
 	st.Rules, st.Limited = ruleCounts(p, obs.counts)
 	if reconciled {
 		st.ObservedGeneration = gen
@@ -192,6 +193,31 @@ func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, st
 		return true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
 	}
 	return false, v1alpha1.ReasonAsExpected, ""
+}
+
+// maxRuleNames is the length bound of status.ruleNames, its schema's maxLength.
+const maxRuleNames = 64
+
+// ruleNames joins the rules' names with commas for kubectl get. Past maxRuleNames, it keeps the
+// names that fit beside a "+N more" for the rest, so that the column stays one screen wide.
+func ruleNames(rules []v1alpha1.Rule) string {
+	names := make([]string, len(rules))
+	for i, r := range rules {
+		names[i] = r.Name
+	}
+	if all := strings.Join(names, ","); len(all) <= maxRuleNames {
+		return all
+	}
+	var b strings.Builder
+	for i, n := range names {
+		more := fmt.Sprintf("+%d more", len(names)-i-1)
+		if b.Len()+len(n)+1+len(more) > maxRuleNames {
+			return b.String() + fmt.Sprintf("+%d more", len(names)-i)
+		}
+		b.WriteString(n)
+		b.WriteByte(',')
+	}
+	return strings.TrimSuffix(b.String(), ",") // not reached: the whole list was too long
 }
 
 // ruleCounts turns the counts of the last minute into status, in spec order, and the share of

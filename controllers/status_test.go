@@ -3,6 +3,8 @@ package controllers
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -241,5 +243,49 @@ func TestHistoryWhenReportsArriveThenCountsCoverTheLastMinute(t *testing.T) {
 	h.forget(key)
 	if len(h.policies) != 0 {
 		t.Errorf("forget left %d policies", len(h.policies))
+	}
+}
+
+// status.ruleNames lists every rule for kubectl get while they fit in its 64 characters, and
+// past that the names that fit and how many it left out, never more than 64.
+func TestRuleNamesWhenTheRulesAreListedThenAllFitOrTheRestAreCounted(t *testing.T) {
+	named := func(lengths ...int) []v1alpha1.Rule {
+		rules := make([]v1alpha1.Rule, len(lengths))
+		for i, n := range lengths {
+			rules[i].Name = strings.Repeat(string(rune('a'+i)), n)
+		}
+		return rules
+	}
+	numbered := func(n int) []v1alpha1.Rule {
+		rules := make([]v1alpha1.Rule, n)
+		for i := range rules {
+			rules[i].Name = fmt.Sprintf("rule-%d", i)
+		}
+		return rules
+	}
+	a, b, c := strings.Repeat("a", 20), strings.Repeat("b", 21), strings.Repeat("c", 21)
+	cases := []struct {
+		name  string
+		rules []v1alpha1.Rule
+		want  string
+	}{
+		{"when there is one rule then its name", named(5), "aaaaa"},
+		{"when the names join to 64 characters then all of them", named(20, 21, 21), a + "," + b + "," + c},
+		{"when they join to 65 then the last is counted instead", named(20, 21, 22), a + "," + b + ",+1 more"},
+		{"when 32 rules have short names then those that fit and the rest counted", numbered(32),
+			"rule-0,rule-1,rule-2,rule-3,rule-4,rule-5,rule-6,rule-7,+24 more"},
+		{"when the first name leaves no room for the count then only the count", named(63, 1), "+2 more"},
+		{"when 32 names have 63 characters then only the count", named(slices.Repeat([]int{63}, 32)...), "+32 more"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got := ruleNames(c.rules)
+			if got != c.want {
+				t.Errorf("ruleNames = %q, want %q", got, c.want)
+			}
+			if len(got) > maxRuleNames {
+				t.Errorf("ruleNames = %q: %d characters, more than %d", got, len(got), maxRuleNames)
+			}
+		})
 	}
 }

@@ -452,7 +452,7 @@ func TestProxyWhenRuleIsShadowThenNothingIsRefusedButWouldLimitIsCounted(t *test
 			t.Fatalf("shadow rule refused: %d", s)
 		}
 	}
-	if n := metric(t, e.admin, `sluice_decisions_total{policy="test/shadow",result="shadow_limited"`); n != 8 {
+	if n := metric(t, e.admin, `sluice_decisions_total{namespace="test",policy="shadow",result="shadow_limited"`); n != 8 {
 		t.Errorf("shadow_limited = %v, want 8", n)
 	}
 }

@@ -55,7 +55,7 @@ func TestEnforcerWhenTheHeaderBlockIsOver64KiBThenEveryListenerAnswers431(t *tes
 			t.Errorf("%s: a header block of 64 KiB and one byte got %d, want 431", l.name, s)
 		}
 	}
-	if n := metric(t, e.admin, `sluice_decisions_total{policy="test/limits",result="allowed",rule="any"}`); n != 2 {
+	if n := metric(t, e.admin, `sluice_decisions_total{namespace="test",policy="limits",result="allowed",rule="any"}`); n != 2 {
 		t.Errorf("%v requests decided, want the 2 of 64 KiB to the proxy and check API", n)
 	}
 }

@@ -24,6 +24,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/sluice-dev/sluice/buildinfo"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/report"
 	"github.com/sluice-dev/sluice/enforcer/store"
@@ -153,7 +154,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		cfg.Log.Info("Policy file: "+w, "file", cfg.PolicyFile)
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
 	opts := limiter.Options{Metrics: limiter.NewMetrics(reg), Log: cfg.Log, Now: cfg.Now}
 	if cfg.Redis != nil {
 		rs, err := store.NewRedis(*cfg.Redis)

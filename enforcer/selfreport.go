@@ -120,7 +120,7 @@ func (e *Enforcer) report() report.Report {
 	for _, p := range e.limiter.Policies() {
 		for _, rule := range p.Rules {
 			r.Rules = append(r.Rules, report.Rule{Policy: p.ID, Name: rule.Name,
-				Counters: counters[limiter.RuleKey{Policy: p.ID, Rule: rule.Name}]})
+				Counters: counters[limiter.RuleKey{Namespace: p.Namespace, Policy: p.Name, Rule: rule.Name}]})
 		}
 	}
 	return r

@@ -13,7 +13,7 @@ import (
 // +kubebuilder:subresource:status
 // +kubebuilder:resource:shortName=rlp,categories=sluice
 // +kubebuilder:printcolumn:name="Target",type=string,JSONPath=`.spec.targetRef.name`
-// +kubebuilder:printcolumn:name="Rules",type=string,JSONPath=`.spec.rules[*].name`
+// +kubebuilder:printcolumn:name="Rules",type=string,JSONPath=`.status.ruleNames`
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.enforcer.ready`
 // +kubebuilder:printcolumn:name="Limited",type=string,JSONPath=`.status.limited`
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.reason`
@@ -677,6 +677,14 @@ type RateLimitPolicyStatus struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=8
 	Limited string `json:"limited,omitempty"`
+
+	// ruleNames are the names of spec.rules in spec order, comma-separated, such as
+	// "burst,per-minute,per-hour": the RULES column of kubectl get. It is at most 64 characters:
+	// past that, the names that fit are followed by "+N more" for the N rules left out, such as
+	// "burst,per-minute,+30 more"; spec.rules lists them all.
+	// +optional
+	// +kubebuilder:validation:MaxLength=64
+	RuleNames string `json:"ruleNames,omitempty"`
 
 	// rules are each rule's decisions over the last minute, summed over the replicas that
 	// report them, in spec order.

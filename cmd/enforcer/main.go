@@ -9,7 +9,8 @@
 //
 // Without a Redis flag the enforcer keeps counters in memory, exact for one replica. Redis
 // credentials come from files (--redis-username-file, --redis-password-file: a mounted Secret) or
-// from REDIS_USERNAME and REDIS_PASSWORD, never from flags.
+// from REDIS_USERNAME and REDIS_PASSWORD, never from flags. Flags that cannot work together are
+// refused with exit 2 (flags.go); --help and --version exit 0.
 package main
 
 import (
@@ -32,18 +33,26 @@ import (
 	"github.com/redis/go-redis/v9"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/sluice-dev/sluice/buildinfo"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/store"
 )
 
 func main() {
-	log := logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, nil))
 	cfg, err := parse(os.Args[1:])
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "enforcer:", err)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(0) // the flag package printed the usage
+	case errors.Is(err, errVersion):
+		fmt.Println("enforcer", buildinfo.Read())
+		os.Exit(0)
+	case err != nil:
+		for _, line := range strings.Split(err.Error(), "\n") {
+			fmt.Fprintln(os.Stderr, "enforcer:", line)
+		}
 		os.Exit(2)
 	}
-	cfg.Log = log
+	log := cfg.Log
 	// go-redis would print every failed dial of its pool; the enforcer reports the store's
 	// failures itself, once per change, in its log, metrics and report.
 	redis.SetLogger(quiet{})
@@ -65,6 +74,8 @@ func parse(args []string) (enforcer.Config, error) {
 		timeout                               time.Duration
 		configMap, kubeconfig                 string
 		usernameFile, passwordFile            string
+		logLevel                              string
+		showVersion                           bool
 	)
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
 	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass, such as http://127.0.0.1:3000.")
@@ -92,6 +103,8 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.DurationVar(&cfg.ReadTimeout, "read-timeout", 10*time.Second, "Time a client has to send a request's header block; past it, 408.")
 	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", enforcer.DefaultWriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
 	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
+	fs.StringVar(&logLevel, "log-level", "info", "Least level logged: error, info, or debug, which adds every refusal and every failed upstream request (one line each: for finding a problem, not for production traffic).")
+	fs.BoolVar(&showVersion, "version", false, "Print the version, commit and Go version, and exit.")
 	// For tests only, and so not in --help: shift the enforcer's own clock, to show that
 	// decisions on Redis use Redis TIME whatever the pod's clock says.
 	var clockOffset time.Duration
@@ -107,9 +120,16 @@ func parse(args []string) (enforcer.Config, error) {
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
+	if showVersion {
+		return cfg, errVersion
+	}
 	if cfg.PolicyFile == "" {
 		return cfg, errors.New("--policy is required")
 	}
+	if err := checkFlags(fs); err != nil {
+		return cfg, err
+	}
+	cfg.Log = logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: logLevels[logLevel]}))
 	for name, v := range map[string]int64{"--max-conns": int64(cfg.MaxConns), "--max-conns-per-client": int64(cfg.MaxConnsPerClient),
 		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout)} {
 		if v <= 0 {

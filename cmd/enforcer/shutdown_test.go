@@ -151,7 +151,7 @@ func testShutdown(t *testing.T, storeFlags []string) {
 	// were admitted with a wait of up to 2.25 s.
 	slowSeen.Wait()
 	for _, rule := range []string{"queue", "held"} {
-		waitMetric(t, admin, fmt.Sprintf(`sluice_decisions_total{policy="test/drain",result="allowed",rule=%q}`, rule), 10)
+		waitMetric(t, admin, fmt.Sprintf(`sluice_decisions_total{namespace="test",policy="drain",result="allowed",rule=%q}`, rule), 10)
 	}
 
 	if err := p.Signal(syscall.SIGTERM); err != nil {

@@ -23,10 +23,12 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/buildinfo"
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/webhook"
@@ -46,6 +48,7 @@ func main() {
 		probeInterval          time.Duration
 		reportInterval         time.Duration
 		lease                  leaseFlags
+		showVersion            bool
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
@@ -65,10 +68,22 @@ func main() {
 		"and reports Degraded RedisUnreachable when not; 0 disables the probe. Policies naming the same Redis share a probe's result for half the interval, at most 10s.")
 	flag.DurationVar(&reportInterval, "report-interval", 10*time.Second, "How often each policy's enforcer replicas are asked for their reports (served revision, store health, "+
 		"counters), and the least time between two status writes that only move counts or messages.")
+	flag.BoolVar(&showVersion, "version", false, "Print the version, commit and Go version, and exit.")
 	wh.bind(flag.CommandLine)
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
-	flag.Parse()
+	flag.Parse() // --help exits 0, a flag it cannot parse 2
+	if showVersion {
+		fmt.Println("manager", buildinfo.Read())
+		os.Exit(0)
+	}
+	if err := checkFlags(flag.CommandLine); err != nil {
+		for _, line := range strings.Split(err.Error(), "\n") {
+			fmt.Fprintln(os.Stderr, "manager:", line)
+		}
+		os.Exit(2)
+	}
+	metrics.Registry.MustRegister(buildinfo.Read().Collector())
 	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&opts)))
 	log := ctrl.Log.WithName("setup")
 

@@ -38,6 +38,21 @@ const (
 	Invalid
 )
 
+// String names the outcome in logs.
+func (o Outcome) String() string {
+	switch o {
+	case Allowed:
+		return "allowed"
+	case Limited:
+		return "limited"
+	case Unavailable:
+		return "unavailable"
+	case Invalid:
+		return "invalid"
+	}
+	return "outcome " + strconv.Itoa(int(o))
+}
+
 // MaxChecks bounds the rules one decision charges, so that no call is one unbounded store
 // script: a request (or Envoy descriptors) matching more is Invalid.
 const MaxChecks = 64
@@ -181,8 +196,8 @@ func (l *Limiter) BreakerOpen() bool {
 func (l *Limiter) Counters() map[RuleKey]report.Counters { return l.metrics.Counters() }
 
 type matched struct {
-	rule   *policy.Rule
-	policy string
+	rule *policy.Rule
+	of   *policy.Policy
 }
 
 // decideBufs hold one decision's checks, rules and decisions. They reach the store through an
@@ -197,8 +212,26 @@ type decideBufs struct {
 
 var bufPool = sync.Pool{New: func() any { return new(decideBufs) }}
 
-// Decide decides one request.
+// Decide decides one request. A refusal is logged at V(1) (the enforcer's --log-level=debug), one
+// line each, naming its policy and rule, never the client.
 func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
+	res := l.decideOne(ctx, req)
+	if res.Outcome != Allowed {
+		if log := l.log.V(1); log.Enabled() {
+			args := []any{"outcome", res.Outcome.String(), "method", req.Method, "path", req.Path}
+			if res.Rule != nil {
+				args = append(args, "policy", res.Policy, "rule", res.Rule.Name, "retryAfter", res.RetryAfter.String())
+			}
+			if res.Reason != "" {
+				args = append(args, "reason", res.Reason)
+			}
+			log.Info("Request refused", args...)
+		}
+	}
+	return res
+}
+
+func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 	bufs := bufPool.Get().(*decideBufs)
 	defer func() {
 		*bufs = decideBufs{} // no strings or rules kept alive by the pool
@@ -291,7 +324,7 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 				return checks, rules, "", "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
 			}
 			checks = append(checks, store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
-			rules = append(rules, matched{r, p.ID})
+			rules = append(rules, matched{r, p})
 		}
 	}
 	return checks, rules, idemKey, ""
@@ -477,7 +510,7 @@ func cancelled(ctx context.Context, err error) bool {
 // client left is not to be forwarded undecided.
 func (l *Limiter) cancelled(rules []matched) Result {
 	l.metrics.cancelled.Inc()
-	return Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: rules[0].rule, Policy: rules[0].policy}
+	return Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: rules[0].rule, Policy: rules[0].of.ID}
 }
 
 // failureModes decides when the store cannot: fail-open rules let the request through, and any
@@ -487,9 +520,9 @@ func (l *Limiter) failureModes(rules []matched, err error) Result {
 	case errors.Is(err, store.ErrFault):
 		l.metrics.storeErrors.WithLabelValues(causeFault).Inc()
 		for _, m := range rules {
-			if _, seen := l.faulty.LoadOrStore(m.policy+"/"+m.rule.Name, true); !seen {
+			if _, seen := l.faulty.LoadOrStore(m.of.ID+"/"+m.rule.Name, true); !seen {
 				l.log.Error(err, "A rule's decision failed in the store; it applies its failure mode until fixed. Logged once per rule",
-					"policy", m.policy, "rule", m.rule.Name, "failOpen", !m.rule.Enforce || m.rule.FailOpen)
+					"policy", m.of.ID, "rule", m.rule.Name, "failOpen", !m.rule.Enforce || m.rule.FailOpen)
 			}
 		}
 	case !errors.Is(err, errBreakerOpen):
@@ -499,10 +532,10 @@ func (l *Limiter) failureModes(rules []matched, err error) Result {
 	for _, m := range rules {
 		switch {
 		case !m.rule.Enforce || m.rule.FailOpen:
-			l.metrics.decision(m.policy, m.rule.Name, resultFailedOpen)
+			l.metrics.decision(m.of, m.rule.Name, resultFailedOpen)
 		default:
-			l.metrics.decision(m.policy, m.rule.Name, resultFailedClosed)
-			res = Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: m.rule, Policy: m.policy}
+			l.metrics.decision(m.of, m.rule.Name, resultFailedClosed)
+			res = Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: m.rule, Policy: m.of.ID}
 		}
 	}
 	return res
@@ -516,27 +549,27 @@ func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.
 		switch {
 		case !m.rule.Enforce:
 			if d.Allowed {
-				l.metrics.decision(m.policy, m.rule.Name, resultAllowed)
+				l.metrics.decision(m.of, m.rule.Name, resultAllowed)
 			} else {
-				l.metrics.decision(m.policy, m.rule.Name, resultShadowLimited)
+				l.metrics.decision(m.of, m.rule.Name, resultShadowLimited)
 			}
 			continue
 		case !d.Allowed:
-			l.metrics.decision(m.policy, m.rule.Name, resultLimited)
-			if r := (Result{Outcome: Limited, RetryAfter: d.RetryAfter, Never: d.Never, Rule: m.rule, Policy: m.policy, Decision: d}); res.Outcome != Limited || outranks(&r, &res) {
+			l.metrics.decision(m.of, m.rule.Name, resultLimited)
+			if r := (Result{Outcome: Limited, RetryAfter: d.RetryAfter, Never: d.Never, Rule: m.rule, Policy: m.of.ID, Decision: d}); res.Outcome != Limited || outranks(&r, &res) {
 				res = r
 			}
 			if cache {
 				l.refusals.put(&checks[i], d, l.now())
 			}
 		case charged:
-			l.metrics.decision(m.policy, m.rule.Name, resultAllowed)
+			l.metrics.decision(m.of, m.rule.Name, resultAllowed)
 		}
 		if charged {
 			res.Wait = max(res.Wait, d.Wait)
 			if share := float64(d.Remaining) / float64(d.Limit); share < closest {
 				closest = share
-				res.Rule, res.Policy, res.Decision = m.rule, m.policy, d
+				res.Rule, res.Policy, res.Decision = m.rule, m.of.ID, d
 			}
 		}
 	}
@@ -557,9 +590,9 @@ func (l *Limiter) cachedRefusal(checks []store.Check, rules []matched) (Result, 
 		}
 		if d, ok := l.refusals.get(&checks[i], now); ok {
 			m := rules[i]
-			l.metrics.decision(m.policy, m.rule.Name, resultLimited)
+			l.metrics.decision(m.of, m.rule.Name, resultLimited)
 			l.metrics.cacheHits.Inc()
-			return Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.policy, Decision: d}, true
+			return Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.of.ID, Decision: d}, true
 		}
 	}
 	return Result{}, false

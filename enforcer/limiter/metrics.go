@@ -23,8 +23,9 @@ const (
 	resultFailedClosed  = "failed_closed"
 )
 
-// Metrics are the limiter's Prometheus metrics. Labels name policies, rules and results, never
-// client keys or addresses.
+// Metrics are the limiter's Prometheus metrics. Labels name policies (namespace and policy, the
+// name, apart, as kube-state-metrics names objects), rules and results, never client keys or
+// addresses.
 type Metrics struct {
 	decisions    *prometheus.CounterVec
 	storeLatency prometheus.Histogram
@@ -40,8 +41,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "sluice_decisions_total",
-			Help: "Rule decisions by policy, rule and result (allowed, limited, shadow_limited, failed_open, failed_closed).",
-		}, []string{"policy", "rule", "result"}),
+			Help: "Rule decisions by policy (namespace and policy, its name), rule and result (allowed, limited, shadow_limited, failed_open, failed_closed).",
+		}, []string{"namespace", "policy", "rule", "result"}),
 		storeLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "sluice_store_latency_seconds",
 			Help:    "Latency of one store decision, all rules of a request together.",
@@ -65,8 +66,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		policyInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "sluice_enforcer_policy_info",
-			Help: "1 for each policy the enforcer serves: joins its per-pod series (store latency, breaker, reloads) to policies.",
-		}, []string{"policy"}),
+			Help: "1 for each policy the enforcer serves, by namespace and policy (its name): joins its per-pod series (store latency, breaker, reloads) to policies.",
+		}, []string{"namespace", "policy"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.cancelled, m.breakerOpen, m.policyInfo)
@@ -88,27 +89,27 @@ func (m *Metrics) serve(ps []*policy.Policy) {
 	keep := map[RuleKey]bool{}
 	m.policyInfo.Reset()
 	for _, p := range ps {
-		m.policyInfo.WithLabelValues(p.ID).Set(1)
+		m.policyInfo.WithLabelValues(p.Namespace, p.Name).Set(1)
 		for i := range p.Rules {
-			keep[RuleKey{p.ID, p.Rules[i].Name}] = true
+			keep[RuleKey{p.Namespace, p.Name, p.Rules[i].Name}] = true
 			for _, res := range results {
-				m.decisions.WithLabelValues(p.ID, p.Rules[i].Name, res)
+				m.decisions.WithLabelValues(p.Namespace, p.Name, p.Rules[i].Name, res)
 			}
 		}
 	}
 	for k := range m.Counters() {
 		if !keep[k] {
-			m.decisions.DeletePartialMatch(prometheus.Labels{"policy": k.Policy, "rule": k.Rule})
+			m.decisions.DeletePartialMatch(prometheus.Labels{"namespace": k.Namespace, "policy": k.Policy, "rule": k.Rule})
 		}
 	}
 }
 
-func (m *Metrics) decision(policy, rule, result string) {
-	m.decisions.WithLabelValues(policy, rule, result).Inc()
+func (m *Metrics) decision(p *policy.Policy, rule, result string) {
+	m.decisions.WithLabelValues(p.Namespace, p.Name, rule, result).Inc()
 }
 
-// RuleKey names a rule: its policy's ID and its name.
-type RuleKey struct{ Policy, Rule string }
+// RuleKey names a rule: its policy's namespace and name, and its own name.
+type RuleKey struct{ Namespace, Policy, Rule string }
 
 // Counters reads sluice_decisions_total back, per rule, for the enforcer's report: the metric
 // is the one count of decisions, so the report and Prometheus cannot disagree.
@@ -128,6 +129,8 @@ func (m *Metrics) Counters() map[RuleKey]report.Counters {
 		var result string
 		for _, l := range pb.GetLabel() {
 			switch l.GetName() {
+			case "namespace":
+				k.Namespace = l.GetValue()
 			case "policy":
 				k.Policy = l.GetValue()
 			case "rule":

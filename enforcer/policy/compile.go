@@ -31,9 +31,11 @@ const MaxSlidingLogLimit = 10_000
 // Policy is a compiled RateLimitPolicy.
 type Policy struct {
 	// ID is "<namespace>/<name>": the policy's part of every Redis key.
-	ID             string
-	Rules          []Rule
-	TrustedProxies []netip.Prefix
+	ID string
+	// Namespace and Name are the policy's, apart: the namespace and policy labels of metrics.
+	Namespace, Name string
+	Rules           []Rule
+	TrustedProxies  []netip.Prefix
 	// Idempotency, when set, recognizes repeats of a request (spec.retries.idempotencyKey).
 	Idempotency *Idempotency
 	// RetryJitter is the largest share (0 to 1) added at random to a refusal's Retry-After.
@@ -106,7 +108,7 @@ func Validate(p *v1alpha1.RateLimitPolicy) field.ErrorList {
 func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 	spec := field.NewPath("spec")
 	var errs field.ErrorList
-	out := &Policy{ID: p.Namespace + "/" + p.Name}
+	out := &Policy{ID: p.Namespace + "/" + p.Name, Namespace: p.Namespace, Name: p.Name}
 
 	if len(p.Spec.Rules) == 0 {
 		errs = append(errs, field.Required(spec.Child("rules"), "at least one rule is required"))

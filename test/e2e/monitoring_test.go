@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/prometheus/promql/parser"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/yaml"
 
@@ -67,8 +68,37 @@ func TestMonitoringWhenScrapedLiveThenAlertsAndDashboardNameOnlyExportedSeries(t
 	}
 
 	exported := map[string][]string{} // metric name -> its label names
-	scrape(t, "http://"+metricsAddr+"/metrics", exported)
-	scrape(t, local.PodURL(&pods[0], "admin")+"/metrics", exported)
+	managerExported, enforcerExported := map[string][]string{}, map[string][]string{}
+	scrape(t, "http://"+metricsAddr+"/metrics", managerExported)
+	scrape(t, local.PodURL(&pods[0], "admin")+"/metrics", enforcerExported)
+	for _, m := range []map[string][]string{managerExported, enforcerExported} {
+		for name, labels := range m {
+			exported[name] = append(exported[name], labels...)
+		}
+	}
+	// Per-policy series name the policy's namespace in the label namespace, which Prometheus
+	// also sets from the target: without honorLabels it renames the series' own to
+	// exported_namespace, and the manager's series would name its namespace, not the policy's.
+	honors := monitorsHonoringLabels(t)
+	for monitor, m := range map[string]map[string][]string{"ServiceMonitor/sluice-manager": managerExported, "PodMonitor/sluice-enforcers": enforcerExported} {
+		for name, labels := range m {
+			for _, l := range labels {
+				if slices.Contains(targetLabels, l) && !honors[monitor] {
+					t.Errorf("%s exports the target label %s, but %s does not set honorLabels: Prometheus renames it exported_%s", name, l, monitor, l)
+				}
+			}
+		}
+	}
+	for binary, m := range map[string]map[string][]string{"manager": managerExported, "enforcer": enforcerExported} {
+		if got := m["sluice_build_info"]; !slices.Contains(got, "version") || !slices.Contains(got, "commit") || !slices.Contains(got, "go_version") {
+			t.Errorf("the %s's sluice_build_info has labels %v, want version, commit and go_version", binary, got)
+		}
+	}
+	if !slices.Contains(managerExported["sluice_policy_replicas_serving"], "namespace") ||
+		!slices.Contains(enforcerExported["sluice_decisions_total"], "namespace") {
+		t.Errorf("per-policy series without a namespace label: manager %v, enforcer %v",
+			managerExported["sluice_policy_replicas_serving"], enforcerExported["sluice_decisions_total"])
+	}
 	// The series this test relies on are there: the manager's and the enforcer's own.
 	for _, name := range []string{"sluice_policy_replicas_serving", "sluice_manager_reconcile_errors_total", "sluice_decisions_total", "sluice_store_latency_seconds_bucket"} {
 		if _, ok := exported[name]; !ok {
@@ -134,7 +164,7 @@ func TestMonitoringWhenScrapedLiveThenAlertsAndDashboardNameOnlyExportedSeries(t
 	}
 
 	// Grafana's variables, as Grafana replaces them before it sends a query.
-	vars := strings.NewReplacer("$__rate_interval", "5m", "${datasource}", "", "$policy", ".+", "$rule", ".+")
+	vars := strings.NewReplacer("$__rate_interval", "5m", "${datasource}", "", "$namespace", ".+", "$policy", ".+", "$rule", ".+")
 	for _, e := range exprs {
 		expr, err := promql.ParseExpr(vars.Replace(e.expr))
 		if err != nil {
@@ -148,6 +178,34 @@ func TestMonitoringWhenScrapedLiveThenAlertsAndDashboardNameOnlyExportedSeries(t
 }
 
 type namedExpr struct{ name, expr string }
+
+// monitorsHonoringLabels reads config/prometheus/monitor.yaml (the chart renders the same specs,
+// test/chart compares them) and tells, by "Kind/name", the monitors whose every endpoint sets
+// honorLabels.
+func monitorsHonoringLabels(t *testing.T) map[string]bool {
+	t.Helper()
+	out := map[string]bool{}
+	for _, u := range testenv.ReadObjects(t, filepath.Join(testenv.RepoRoot(), "config", "prometheus", "monitor.yaml")) {
+		var field string
+		switch u.GetKind() {
+		case "ServiceMonitor":
+			field = "endpoints"
+		case "PodMonitor":
+			field = "podMetricsEndpoints"
+		default:
+			continue
+		}
+		endpoints, _, _ := unstructured.NestedSlice(u.Object, "spec", field)
+		honors := len(endpoints) > 0
+		for _, e := range endpoints {
+			if h, _ := e.(map[string]any)["honorLabels"].(bool); !h {
+				honors = false
+			}
+		}
+		out[u.GetKind()+"/"+u.GetName()] = honors
+	}
+	return out
+}
 
 // promql is Prometheus's PromQL parser with its default options, as Prometheus itself runs.
 var promql = parser.NewParser(parser.Options{})

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -227,9 +228,13 @@ func StartManager(ctx context.Context, env *testenv.Env, bin, kubeconfig string,
 		"--webhook-host=" + env.Webhook.LocalServingHost,
 		"--webhook-port=" + strconv.Itoa(env.Webhook.LocalServingPort),
 		"--namespace=" + Namespace,
-		"--webhook-cert-hosts=localhost," + env.Webhook.LocalServingHost,
-		"--validating-webhook-configuration=validating-webhook-configuration",
 	}, extra...)
+	// The built-in certificates' flags, unless the certificates come from a directory: the
+	// manager refuses them beside --webhook-cert-dir, which they would not shape.
+	if !slices.ContainsFunc(extra, func(a string) bool { return strings.HasPrefix(a, "--webhook-cert-dir=") }) {
+		args = append(args, "--webhook-cert-hosts=localhost,"+env.Webhook.LocalServingHost,
+			"--validating-webhook-configuration=validating-webhook-configuration")
+	}
 	p, err := Start("manager", log, bin, args...)
 	if err != nil {
 		return nil, err
