@@ -153,8 +153,10 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
 
+	// The Deployment, the target and the pods are only read, never changed, so they are the
+	// cache's own objects rather than deep copies: this runs for every policy on every report tick.
 	dep := &appsv1.Deployment{}
-	if err := r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: prog.deployment}, dep); err != nil {
+	if err := r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: prog.deployment}, dep, client.UnsafeDisableDeepCopy); err != nil {
 		if apierrors.IsNotFound(err) {
 			return ctrl.Result{}, nil
 		}
@@ -162,7 +164,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	}
 	obs.deployment = dep
 	target := &corev1.Service{}
-	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target, client.UnsafeDisableDeepCopy)
 	obs.targetMissing = apierrors.IsNotFound(err)
 	if err := client.IgnoreNotFound(err); err != nil {
 		return ctrl.Result{}, failed(errRead, err)
@@ -215,7 +217,7 @@ const reportTimeout = 2 * time.Second
 // that runs, at once, and records their counters.
 func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) error {
 	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}); err != nil {
+	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}, client.UnsafeDisableDeepCopy); err != nil {
 		return err
 	}
 	fetch := r.FetchReport

@@ -112,12 +112,15 @@ func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
 }
 
 // populate creates n memory-storage policies, each in front of a Service of its own, 8 at a time.
-func populate(t testing.TB, k8s client.Client, ns string, n int) {
+func populate(t testing.TB, k8s client.Client, ns string, n int) { populateWith(t, k8s, ns, n, 8) }
+
+// populateWith is populate with workers creating at once.
+func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 	t.Helper()
 	var wg sync.WaitGroup
-	for w := range 8 {
+	for w := range workers {
 		wg.Go(func() {
-			for i := w; i < n; i += 8 {
+			for i := w; i < n; i += workers {
 				name := "p" + strconv.Itoa(i)
 				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
 					Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
@@ -248,7 +251,8 @@ func scrapeSum(t testing.TB, addr, prefix string) float64 {
 // the kubelet stand-in running one enforcer process per policy, and measures the time until
 // every policy is Programmed and until every one is Ready from its enforcer's report; then, at
 // steady state, the status writes per second and the manager's CPU over a minute. It reports the
-// manager's CPU time and peak resident memory over the whole run too. Each enforcer process
+// manager's CPU time and peak resident memory over the whole run too, and the longest any one
+// policy waited from its creation to Programmed and to Ready. Each enforcer process
 // holds about 15 MB: a thousand need about 16 GB.
 //
 // With SLUICE_BENCH_PROFILE=<dir> it writes the manager's CPU profiles of the first 60 s after
@@ -324,6 +328,18 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			}
 			time.Sleep(500 * time.Millisecond)
 		}
+		// Each policy's own latency, from its creation to its condition (both in whole seconds):
+		// what a user who applies one policy among a thousand waits for.
+		var list v1alpha1.RateLimitPolicyList
+		if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
+			b.Fatal(err)
+		}
+		var toProgrammed, toReady time.Duration
+		for _, pol := range list.Items {
+			created := pol.CreationTimestamp.Time
+			toProgrammed = max(toProgrammed, meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionProgrammed).LastTransitionTime.Sub(created))
+			toReady = max(toReady, meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionReady).LastTransitionTime.Sub(created))
+		}
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		cpuBefore, _ := mgr.Usage()
 		profile("steady.pprof", "/debug/pprof/profile?seconds=55")
@@ -338,6 +354,8 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		cpu, rss := mgr.Usage()
 		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")
 		b.ReportMetric(ready.Seconds(), "s-to-all-ready")
+		b.ReportMetric(toProgrammed.Seconds(), "s-max-created-to-programmed")
+		b.ReportMetric(toReady.Seconds(), "s-max-created-to-ready")
 		b.ReportMetric(float64(total)/60, "writes/s-steady")
 		b.ReportMetric(cpu.Seconds(), "manager-cpu-s")
 		b.ReportMetric(100*(cpuSteady-cpuBefore).Seconds()/60, "manager-cpu-%-steady")

@@ -1,0 +1,206 @@
+package e2e_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/apiutil"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers"
+	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/test/testenv"
+)
+
+// BenchmarkProgrammedAgainstItsCeiling measures how far the manager is from the fastest the test
+// control plane can program SLUICE_BENCH_POLICIES policies (default 100), side by side in one
+// run, on control planes started alike (API server, etcd, kube-controller-manager, no kubelet):
+//
+//   - ceiling-apply: no manager; 64 workers of a bare, unthrottled client create each policy's
+//     Service and policy, then server-side apply the objects the controller renders for it
+//     (render.Enforcer, the manager's field owner) and write its Programmed condition: the
+//     manager's writes with none of its reads, caches, queue or webhook;
+//
+//   - ceiling-create: the same with a create for each object instead of an apply, the cheaper
+//     write for the API server;
+//
+//   - manager: the real manager binary with its webhook served, the policies and Services
+//     created by as many workers as the ceilings have, until every one is Programmed;
+//     manager-all-created is when the last policy was admitted. (With the 8 creating workers
+//     of the other benchmarks, the manager programs each policy within a second of its
+//     creation: those runs measure the creation.)
+//
+//     SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench ProgrammedAgainstItsCeiling -benchtime 1x -timeout 60m ./test/e2e/
+func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
+	n := 100
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
+		n = v
+	}
+	ctrllog.SetLogger(logr.Discard()) // the bare clients' warnings, which no one reads here
+	for b.Loop() {
+		for _, create := range []bool{false, true} {
+			env, err := testenv.Start(testenv.WithControllers())
+			if err != nil {
+				b.Fatal(err)
+			}
+			k8s := unthrottledClient(b, env.Config)
+			ns := makeNamespace(b, k8s, "ceiling-")
+			start := time.Now()
+			writes := programBare(b, k8s, ns, n, create)
+			took := time.Since(start)
+			name := "s-ceiling-apply"
+			if create {
+				name = "s-ceiling-create"
+			}
+			b.ReportMetric(took.Seconds(), name)
+			b.ReportMetric(float64(writes)/took.Seconds(), name[2:]+"-writes/s")
+			_ = env.Stop()
+		}
+
+		c := startCluster(b)
+		args := append([]string{"--enforcer-image=sluice-enforcer:bench"}, strings.Fields(os.Getenv("SLUICE_BENCH_MANAGER_FLAGS"))...)
+		mgr, err := local.StartManager(context.Background(), c.env, c.managerBin, c.kubeconfig, &local.Output{}, args...)
+		if err != nil {
+			b.Fatal(err)
+		}
+		k8s := c.unthrottled(b)
+		ns := makeNamespace(b, k8s, "manager-")
+		start := time.Now()
+		populateWith(b, k8s, ns, n, bareWorkers)
+		created := time.Since(start)
+		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		b.ReportMetric(time.Since(start).Seconds(), "s-manager")
+		b.ReportMetric(created.Seconds(), "s-manager-all-created")
+		mgr.Stop()
+	}
+}
+
+// programBare does by hand, with bareWorkers workers, what the manager does to program n new policies
+// (see BenchmarkProgrammedAgainstItsCeiling), and returns the writes it sent.
+func programBare(b *testing.B, k8s client.Client, ns string, n int, create bool) int64 {
+	b.Helper()
+	ctx := context.Background()
+	var writes atomic.Int64
+	var wg sync.WaitGroup
+	for w := range bareWorkers {
+		wg.Go(func() {
+			for i := w; i < n; i += bareWorkers {
+				name := "p" + strconv.Itoa(i)
+				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+					Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
+				p := &v1alpha1.RateLimitPolicy{
+					ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+					Spec: v1alpha1.RateLimitPolicySpec{
+						TargetRef: v1alpha1.TargetRef{Name: name, Port: 8080},
+						Rules: []v1alpha1.Rule{{Name: "per-client", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}},
+							FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}}},
+					},
+				}
+				if err := k8s.Create(ctx, svc); err != nil {
+					b.Error(err)
+					return
+				}
+				if err := k8s.Create(ctx, p); err != nil {
+					b.Error(err)
+					return
+				}
+				objs, err := render.Enforcer(p, render.Defaults{EnforcerImage: "sluice-enforcer:bench", RedisImage: "redis:bench"})
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				for _, o := range objs.All() {
+					if err := writeBare(ctx, k8s, o, create); err != nil {
+						b.Error(err)
+						return
+					}
+					writes.Add(1)
+				}
+				meta.SetStatusCondition(&p.Status.Conditions, metav1.Condition{Type: v1alpha1.ConditionProgrammed, Status: metav1.ConditionTrue,
+					Reason: "Programmed", Message: "bench", ObservedGeneration: p.Generation})
+				p.Status.ObservedGeneration = p.Generation
+				if err := k8s.Status().Update(ctx, p); err != nil {
+					b.Error(err)
+					return
+				}
+				writes.Add(3) // the Service, the policy and its status
+			}
+		})
+	}
+	wg.Wait()
+	return writes.Load()
+}
+
+// writeBare sends one rendered object as the manager would (an apply with its field owner), or as
+// a create.
+func writeBare(ctx context.Context, k8s client.Client, o client.Object, create bool) error {
+	if create {
+		return k8s.Create(ctx, o)
+	}
+	gvk, err := apiutil.GVKForObject(o, scheme.Scheme)
+	if err != nil {
+		return err
+	}
+	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(o)
+	if err != nil {
+		return err
+	}
+	u := &unstructured.Unstructured{Object: m}
+	u.SetGroupVersionKind(gvk)
+	unstructured.RemoveNestedField(u.Object, "metadata", "creationTimestamp")
+	unstructured.RemoveNestedField(u.Object, "status")
+	return k8s.Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(controllers.FieldOwner), client.ForceOwnership)
+}
+
+// unthrottledClient is cluster.unthrottled for a control plane started without the manager.
+func unthrottledClient(t testing.TB, cfg *rest.Config) client.Client {
+	t.Helper()
+	cfg = rest.CopyConfig(cfg)
+	cfg.QPS, cfg.Burst = -1, 0
+	k8s, err := client.New(cfg, client.Options{Scheme: scheme.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k8s
+}
+
+// allProgrammed reports an error until the n policies of ns are all Programmed.
+func allProgrammed(k8s client.Client, ns string, n int) error {
+	var list v1alpha1.RateLimitPolicyList
+	if err := k8s.List(context.Background(), &list, client.InNamespace(ns)); err != nil {
+		return err
+	}
+	done := 0
+	for _, p := range list.Items {
+		if meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) {
+			done++
+		}
+	}
+	if done != n {
+		return fmt.Errorf("%d of %d Programmed", done, n)
+	}
+	return nil
+}
+
+// bareWorkers is how many policies programBare programs at once: enough writes in flight to
+// keep the API server busy (the manager has up to 16 workers of up to 4 concurrent applies).
+const bareWorkers = 64
