@@ -14,6 +14,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
@@ -76,6 +77,9 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	if objs.PDB == nil {
 		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
 	}
+	if objs.NetworkPolicy == nil {
+		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+	}
 	if objs.RedisDeployment == nil {
 		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
 		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
@@ -102,7 +106,7 @@ type programmed struct {
 // remember records what applying objs for p established.
 func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects) *programmed {
 	prog := &programmed{
-		uid: p.UID, generation: p.Generation, defaults: r.Defaults,
+		uid: p.UID, generation: p.Generation, defaults: cloneDefaults(r.Defaults),
 		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
 		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
 	}
@@ -111,6 +115,19 @@ func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *
 	}
 	r.mem.programmed.Store(client.ObjectKeyFromObject(p), prog)
 	return prog
+}
+
+// cloneDefaults copies d, so that what a reconcile remembers does not move with a later change
+// of the reconciler's defaults.
+func cloneDefaults(d render.Defaults) render.Defaults {
+	if np := d.NetworkPolicy; np != nil {
+		c := *np
+		c.MonitoringNamespaces = slices.Clone(np.MonitoringNamespaces)
+		c.CheckNamespaces = slices.Clone(np.CheckNamespaces)
+		c.ProxyNamespaces = slices.Clone(np.ProxyNamespaces)
+		d.NetworkPolicy = &c
+	}
+	return d
 }
 
 // current returns what the last full apply of p established if nothing has changed since on
@@ -123,7 +140,7 @@ func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.Rat
 		return nil
 	}
 	prog := v.(*programmed)
-	if prog.uid != p.UID || prog.generation != p.Generation || prog.defaults != r.Defaults {
+	if prog.uid != p.UID || prog.generation != p.Generation || !equality.Semantic.DeepEqual(prog.defaults, r.Defaults) {
 		return nil
 	}
 	for _, o := range prog.objects {
@@ -154,6 +171,8 @@ func newObject(kind string) client.Object {
 		return &corev1.Service{}
 	case "PodDisruptionBudget":
 		return &policyv1.PodDisruptionBudget{}
+	case "NetworkPolicy":
+		return &networkingv1.NetworkPolicy{}
 	}
 	return nil
 }

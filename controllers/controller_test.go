@@ -120,7 +120,8 @@ func run(m *testing.M) int {
 	mgrClient = mgr.GetClient()
 	reconciler = &controllers.RateLimitPolicyReconciler{
 		Client: mgrClient, Scheme: scheme, Recorder: mgr.GetEventRecorder("sluice"),
-		Defaults:       render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
+		Defaults: render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test",
+			NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: managerNamespace, MonitoringNamespaces: []string{monitoringNamespace}, CheckNamespaces: []string{gatewayNamespace}}},
 		Workers:        16,
 		ProbeRedis:     controllers.DialRedis,
 		ProbeInterval:  300 * time.Millisecond,

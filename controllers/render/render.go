@@ -6,11 +6,13 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -67,10 +69,29 @@ const (
 	labelManagedBy   = "app.kubernetes.io/managed-by"
 )
 
-// Defaults are the manager's settings that policies may override.
+// Defaults are the manager's settings that policies may override, and those that shape every
+// policy's objects.
 type Defaults struct {
 	EnforcerImage string
 	RedisImage    string
+	// NetworkPolicy, when set, renders a NetworkPolicy that admits traffic to the enforcer pods
+	// port by port; nil renders none.
+	NetworkPolicy *NetworkPolicyDefaults
+}
+
+// NetworkPolicyDefaults say which namespaces may reach which port of the enforcer pods. Every
+// list holds namespace names.
+type NetworkPolicyDefaults struct {
+	// ManagerNamespace is the manager's namespace, whose pods read the admin port's /report.
+	ManagerNamespace string
+	// MonitoringNamespaces may reach the admin port too (Prometheus scrapes /metrics there).
+	MonitoringNamespaces []string
+	// CheckNamespaces may reach the check and RLS ports (gateways that ask for decisions),
+	// besides the policy's own namespace.
+	CheckNamespaces []string
+	// ProxyNamespaces alone may reach the proxy port; empty means any source, in or outside the
+	// cluster.
+	ProxyNamespaces []string
 }
 
 // Objects are the desired objects of one policy, in apply order.
@@ -84,6 +105,8 @@ type Objects struct {
 	Service        *corev1.Service
 	// PDB is nil with one replica.
 	PDB *policyv1.PodDisruptionBudget
+	// NetworkPolicy admits traffic to the enforcer pods; nil when Defaults.NetworkPolicy is.
+	NetworkPolicy *networkingv1.NetworkPolicy
 	// Redis objects are nil without managedRedis.
 	RedisDeployment *appsv1.Deployment
 	RedisService    *corev1.Service
@@ -94,6 +117,9 @@ type Objects struct {
 // All are the objects that exist for the policy.
 func (o *Objects) All() []client.Object {
 	objs := []client.Object{o.ConfigMap, o.ServiceAccount, o.Role, o.RoleBinding}
+	if o.NetworkPolicy != nil {
+		objs = append(objs, o.NetworkPolicy)
+	}
 	if o.RedisService != nil {
 		objs = append(objs, o.RedisDeployment, o.RedisService)
 	}
@@ -372,6 +398,9 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			Ports:    servicePorts(rls),
 		},
 	}
+	if d.NetworkPolicy != nil {
+		o.NetworkPolicy = enforcerNetworkPolicy(p, name, labels, rls, d.NetworkPolicy)
+	}
 	if replicas > 1 {
 		o.PDB = &policyv1.PodDisruptionBudget{
 			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
@@ -383,6 +412,64 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		}
 	}
 	return o, nil
+}
+
+// NamespaceNameLabel is the label the API server sets on every namespace to its name, which
+// NetworkPolicies select namespaces by.
+const NamespaceNameLabel = "kubernetes.io/metadata.name"
+
+// enforcerNetworkPolicy admits, to the enforcer pods: the proxy port from ProxyNamespaces, or
+// from anywhere when it lists none; the check and RLS ports from the policy's namespace and
+// CheckNamespaces; the admin port (reports, keys, metrics, pprof) from the manager's namespace
+// and MonitoringNamespaces. Egress is not restricted. Kubelet probes come from the node, which
+// NetworkPolicies always admit.
+func enforcerNetworkPolicy(p *v1alpha1.RateLimitPolicy, name string, labels map[string]string, rls bool, d *NetworkPolicyDefaults) *networkingv1.NetworkPolicy {
+	proxy := networkingv1.NetworkPolicyIngressRule{Ports: tcpPorts(ProxyPort)}
+	if len(d.ProxyNamespaces) > 0 {
+		proxy.From = namespacePeers(d.ProxyNamespaces)
+	}
+	checkPorts := []int32{CheckPort}
+	if rls {
+		checkPorts = append(checkPorts, RLSPort)
+	}
+	check := networkingv1.NetworkPolicyIngressRule{
+		Ports: tcpPorts(checkPorts...),
+		From:  namespacePeers(append([]string{p.Namespace}, d.CheckNamespaces...)),
+	}
+	rules := []networkingv1.NetworkPolicyIngressRule{proxy, check}
+	var admin []string
+	if d.ManagerNamespace != "" {
+		admin = append(admin, d.ManagerNamespace)
+	}
+	if admin = append(admin, d.MonitoringNamespaces...); len(admin) > 0 {
+		rules = append(rules, networkingv1.NetworkPolicyIngressRule{Ports: tcpPorts(AdminPort), From: namespacePeers(admin)})
+	}
+	return &networkingv1.NetworkPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: PodLabels(p)},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress:     rules,
+		},
+	}
+}
+
+func tcpPorts(ports ...int32) []networkingv1.NetworkPolicyPort {
+	out := make([]networkingv1.NetworkPolicyPort, len(ports))
+	for i, port := range ports {
+		out[i] = networkingv1.NetworkPolicyPort{Protocol: ptr.To(corev1.ProtocolTCP), Port: ptr.To(intstr.FromInt32(port))}
+	}
+	return out
+}
+
+// namespacePeers selects every pod of the named namespaces, by the name label the API server
+// keeps on each: sorted and without repeats, so the same set renders the same object.
+func namespacePeers(namespaces []string) []networkingv1.NetworkPolicyPeer {
+	names := slices.Compact(slices.Sorted(slices.Values(namespaces)))
+	return []networkingv1.NetworkPolicyPeer{{NamespaceSelector: &metav1.LabelSelector{
+		MatchExpressions: []metav1.LabelSelectorRequirement{{Key: NamespaceNameLabel, Operator: metav1.LabelSelectorOpIn, Values: names}},
+	}}}
 }
 
 // policyFile is the policy as the enforcer loads it: the same document a user applies, reduced

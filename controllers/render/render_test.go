@@ -22,7 +22,8 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files")
 
-var defaults = render.Defaults{EnforcerImage: "example.com/sluice-enforcer:test", RedisImage: "example.com/redis:test"}
+var defaults = render.Defaults{EnforcerImage: "example.com/sluice-enforcer:test", RedisImage: "example.com/redis:test",
+	NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: "sluice-system", MonitoringNamespaces: []string{"monitoring"}}}
 
 func readSample(t *testing.T, name string) *v1alpha1.RateLimitPolicy {
 	t.Helper()
