@@ -55,7 +55,9 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	// makes them, its Service and its budget. A policy costs two round trips, not nine.
 	var first, second []client.Object
 	for _, obj := range objs.All() {
-		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) {
+		// The bypass protection comes last: it admits the enforcer pods that the Deployment makes.
+		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) ||
+			objs.Bypass != nil && obj == client.Object(objs.Bypass) {
 			second = append(second, obj)
 		} else {
 			first = append(first, obj)
@@ -80,6 +82,9 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	if objs.NetworkPolicy == nil {
 		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
 	}
+	if objs.Bypass == nil {
+		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.BypassName(name)}})
+	}
 	if objs.RedisDeployment == nil {
 		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
 		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
@@ -101,14 +106,18 @@ type programmed struct {
 	revision, service, image, storage, deployment string
 	replicas                                      int32
 	objects                                       []objectKey
+	// target is the resourceVersion of the target Service that the bypass protection was
+	// rendered from, "" without bypass protection.
+	target string
 }
 
 // remember records what applying objs for p established.
-func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects) *programmed {
+func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects, target *corev1.Service) *programmed {
 	prog := &programmed{
 		uid: p.UID, generation: p.Generation, defaults: cloneDefaults(r.Defaults),
 		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
 		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
+		target: bypassTarget(p, target),
 	}
 	for _, o := range objs.All() {
 		prog.objects = append(prog.objects, objectKey{kind: o.GetObjectKind().GroupVersionKind().Kind, name: o.GetName()})
@@ -130,17 +139,31 @@ func cloneDefaults(d render.Defaults) render.Defaults {
 	return d
 }
 
+// bypassTarget is what the bypass protection is rendered from: the target Service's
+// resourceVersion, or "" when the policy asks for none.
+func bypassTarget(p *v1alpha1.RateLimitPolicy, target *corev1.Service) string {
+	if p.Spec.TargetRef.BypassProtection == nil {
+		return ""
+	}
+	if target == nil {
+		return "none"
+	}
+	return target.ResourceVersion
+}
+
 // current returns what the last full apply of p established if nothing has changed since on
-// either side: the same policy generation and defaults, and every object at the
-// resourceVersion it was left at. Otherwise nil: render and apply.
-func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy) *programmed {
+// either side: the same policy generation and defaults, the same target Service where bypass
+// protection renders from it, and every object at the resourceVersion it was left at.
+// Otherwise nil: render and apply.
+func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy, target *corev1.Service) *programmed {
 	key := client.ObjectKeyFromObject(p)
 	v, ok := r.mem.programmed.Load(key)
 	if !ok {
 		return nil
 	}
 	prog := v.(*programmed)
-	if prog.uid != p.UID || prog.generation != p.Generation || !equality.Semantic.DeepEqual(prog.defaults, r.Defaults) {
+	if prog.uid != p.UID || prog.generation != p.Generation || !equality.Semantic.DeepEqual(prog.defaults, r.Defaults) ||
+		prog.target != bypassTarget(p, target) {
 		return nil
 	}
 	for _, o := range prog.objects {

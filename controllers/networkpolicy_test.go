@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,6 +13,8 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -158,4 +161,131 @@ func TestNetworkPolicyWhenRenderedThenEachEnforcerPortAdmitsOnlyItsPeers(t *test
 			})
 		}
 	}
+}
+
+// traffic asks the engine whether src may reach dst on a port.
+func traffic(engine *matcher.Policy, src, dst *matcher.TrafficPeer, port int, protocol corev1.Protocol) *matcher.AllowedResult {
+	return engine.IsTrafficAllowed(&matcher.Traffic{Source: src, Destination: dst, ResolvedPort: port, Protocol: protocol})
+}
+
+// With bypass protection, the target Service's pods admit its target port only from the
+// enforcer pods and the listed sources, and keep their other ports open; the NetworkPolicy
+// follows the Service when its port changes, is refused with the field named when the Service
+// cannot be protected, and goes away with the protection.
+func TestBypassProtectionWhenSetThenTheTargetPortAdmitsOnlyTheEnforcerAndTheListedSources(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "bypass")
+	jobs := testenv.Namespace(t, k8s, "bypass-jobs")
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "shop"}, Spec: corev1.ServiceSpec{
+		Selector: map[string]string{"app": "shop"},
+		Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}},
+	}}
+	if err := k8s.Create(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	p := newPolicy(ns, "shop", "shop")
+	p.Spec.TargetRef.Port = 80
+	p.Spec.Storage, p.Spec.Enforcer = nil, nil
+	p.Spec.TargetRef.BypassProtection = &v1alpha1.BypassProtection{AllowedSources: []v1alpha1.BypassSource{
+		{Namespace: jobs, PodLabels: map[string]string{"role": "batch"}},
+		{PodLabels: map[string]string{"role": "debugger"}},
+		{CIDR: "192.0.2.1/24"},
+	}}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	enforcer := podPeer(t, enforcerPod(t, p))
+	shop := namespacePeer(t, "a target pod", ns, map[string]string{"app": "shop"}).from
+
+	peers := []struct {
+		name string
+		from *matcher.TrafficPeer
+		want bool
+	}{
+		{"the enforcer pods", enforcer, true},
+		{"a listed pod of a listed namespace", namespacePeer(t, "", jobs, map[string]string{"role": "batch"}).from, true},
+		{"an unlisted pod of a listed namespace", namespacePeer(t, "", jobs, map[string]string{"role": "web"}).from, false},
+		{"a pod with listed labels in another namespace", namespacePeer(t, "", testenv.Namespace(t, k8s, "bypass-other"), map[string]string{"role": "batch"}).from, false},
+		{"a listed pod of the policy's namespace", namespacePeer(t, "", ns, map[string]string{"role": "debugger"}).from, true},
+		{"an unlisted pod of the policy's namespace", namespacePeer(t, "", ns, map[string]string{"app": "frontend"}).from, false},
+		{"an address of the listed CIDR", &matcher.TrafficPeer{IP: "192.0.2.200"}, true},
+		{"an address outside it", &matcher.TrafficPeer{IP: "198.51.100.1"}, false},
+	}
+	engine, pols := analyze(t, ns)
+	if len(pols) != 2 {
+		t.Fatalf("%d NetworkPolicies in the namespace, want the enforcer's and the bypass protection", len(pols))
+	}
+	for _, src := range peers {
+		t.Run("when "+src.name+" sends to the target port", func(t *testing.T) {
+			if got := traffic(engine, src.from, shop, 8080, corev1.ProtocolTCP); got.IsAllowed() != src.want {
+				t.Errorf("allowed = %v, want %v\n%s", got.IsAllowed(), src.want, got.Table())
+			}
+		})
+	}
+	unlisted := peers[5].from
+	for _, other := range []struct {
+		port     int
+		protocol corev1.Protocol
+	}{{1, corev1.ProtocolTCP}, {8079, corev1.ProtocolTCP}, {8081, corev1.ProtocolTCP}, {65535, corev1.ProtocolTCP}, {8080, corev1.ProtocolUDP}, {8080, corev1.ProtocolSCTP}} {
+		t.Run(fmt.Sprintf("when an unlisted pod sends to %s port %d then it passes as before", other.protocol, other.port), func(t *testing.T) {
+			if got := traffic(engine, unlisted, shop, other.port, other.protocol); !got.IsAllowed() {
+				t.Errorf("refused\n%s", got.Table())
+			}
+		})
+	}
+	t.Run("when an unlisted pod sends to the enforcer's proxy port then it passes", func(t *testing.T) {
+		if got := traffic(engine, unlisted, enforcer, render.ProxyPort, corev1.ProtocolTCP); !got.IsAllowed() {
+			t.Errorf("refused\n%s", got.Table())
+		}
+	})
+
+	setTargetPort := func(port intstr.IntOrString) {
+		t.Helper()
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			if err := k8s.Get(ctx, client.ObjectKeyFromObject(svc), svc); err != nil {
+				return err
+			}
+			svc.Spec.Ports[0].TargetPort = port
+			return k8s.Update(ctx, svc)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Run("when the Service's targetPort changes then the new port is protected and the old one open", func(t *testing.T) {
+		setTargetPort(intstr.FromInt32(8443))
+		testenv.WaitFor(t, 10*time.Second, func() error {
+			engine, _ := analyze(t, ns)
+			if traffic(engine, unlisted, shop, 8443, corev1.ProtocolTCP).IsAllowed() || !traffic(engine, unlisted, shop, 8080, corev1.ProtocolTCP).IsAllowed() {
+				return errors.New("8443 not yet protected, or 8080 still")
+			}
+			return nil
+		})
+	})
+	t.Run("when the targetPort is named then Programmed is False naming the field", func(t *testing.T) {
+		setTargetPort(intstr.FromString("http"))
+		testenv.WaitFor(t, 10*time.Second, func() error {
+			c := condition(t, p, v1alpha1.ConditionProgrammed)
+			if c == nil || c.Status != metav1.ConditionFalse || !strings.Contains(c.Message, "spec.targetRef.bypassProtection") || !strings.Contains(c.Message, `"http"`) {
+				return fmt.Errorf("Programmed %+v", c)
+			}
+			return nil
+		})
+		setTargetPort(intstr.FromInt32(8080))
+		waitCondition(t, p, v1alpha1.ConditionProgrammed, metav1.ConditionTrue, "")
+	})
+	t.Run("when the protection is removed then its NetworkPolicy is deleted", func(t *testing.T) {
+		updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.TargetRef.BypassProtection = nil })
+		testenv.WaitFor(t, 10*time.Second, func() error {
+			err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: render.BypassName(render.Name(p))}, &networkingv1.NetworkPolicy{})
+			if !apierrors.IsNotFound(err) {
+				return fmt.Errorf("the bypass NetworkPolicy is still there (%w)", err)
+			}
+			return nil
+		})
+		engine, _ := analyze(t, ns)
+		if got := traffic(engine, unlisted, shop, 8080, corev1.ProtocolTCP); !got.IsAllowed() {
+			t.Errorf("the target port still refuses an unlisted pod\n%s", got.Table())
+		}
+	})
 }

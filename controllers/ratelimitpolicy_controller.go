@@ -139,18 +139,34 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, nil
 	}
 
+	target := &corev1.Service{}
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	obs.targetMissing = apierrors.IsNotFound(err)
+	if err := client.IgnoreNotFound(err); err != nil {
+		return ctrl.Result{}, failed(errRead, err)
+	}
+	if obs.targetMissing {
+		target = nil
+	}
+
 	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
 	// nor compares them again.
-	prog := r.current(ctx, p)
+	prog := r.current(ctx, p, target)
 	if prog == nil {
 		objs, err := render.Enforcer(p, r.Defaults)
 		if err != nil {
 			return ctrl.Result{}, failed(errRender, err)
 		}
+		if objs.Bypass, err = render.Bypass(p, target); err != nil {
+			// Only a change of the Service or of the spec can fix it, and both are watched.
+			obs.applyErr, obs.stalled = err, true
+			_ = failed(errRender, err)
+			return ctrl.Result{}, nil
+		}
 		if err := r.apply(ctx, p, objs); err != nil {
 			return applyFailed(err, &obs)
 		}
-		prog = r.remember(p, objs)
+		prog = r.remember(p, objs, target)
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
@@ -163,12 +179,6 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, failed(errRead, err)
 	}
 	obs.deployment = dep
-	target := &corev1.Service{}
-	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
-	obs.targetMissing = apierrors.IsNotFound(err)
-	if err := client.IgnoreNotFound(err); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
 	if err := r.readReports(ctx, p, &obs); err != nil {
 		return ctrl.Result{}, failed(errRead, err)
 	}

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 	"time"
@@ -105,6 +106,9 @@ type Objects struct {
 	Service        *corev1.Service
 	// PDB is nil with one replica.
 	PDB *policyv1.PodDisruptionBudget
+	// Bypass keeps clients from reaching the target's pods around the enforcer; nil without
+	// targetRef.bypassProtection or without the target Service. See Bypass.
+	Bypass *networkingv1.NetworkPolicy
 	// NetworkPolicy admits traffic to the enforcer pods; nil when Defaults.NetworkPolicy is.
 	NetworkPolicy *networkingv1.NetworkPolicy
 	// Redis objects are nil without managedRedis.
@@ -126,6 +130,9 @@ func (o *Objects) All() []client.Object {
 	objs = append(objs, o.Deployment, o.Service)
 	if o.PDB != nil {
 		objs = append(objs, o.PDB)
+	}
+	if o.Bypass != nil {
+		objs = append(objs, o.Bypass)
 	}
 	return objs
 }
@@ -470,6 +477,100 @@ func namespacePeers(namespaces []string) []networkingv1.NetworkPolicyPeer {
 	return []networkingv1.NetworkPolicyPeer{{NamespaceSelector: &metav1.LabelSelector{
 		MatchExpressions: []metav1.LabelSelectorRequirement{{Key: NamespaceNameLabel, Operator: metav1.LabelSelectorOpIn, Values: names}},
 	}}}
+}
+
+// BypassName is the name of the bypass protection's NetworkPolicy of the enforcer objects named
+// name.
+func BypassName(name string) string { return label(name + "-bypass") }
+
+// Bypass renders targetRef.bypassProtection against the target Service as it is: a NetworkPolicy
+// that selects the Service's pods by its selector and admits their target port only from the
+// policy's enforcer pods and the allowed sources. A pod that any NetworkPolicy selects admits
+// only what some policy allows, so a second rule keeps every other port and protocol of those
+// pods open, as before. It returns nil when the policy asks for no protection or the Service
+// does not exist (Degraded says so), and an error that names what is missing when the Service
+// cannot be protected: no selector, no such port, or a named targetPort, around which no port
+// range can be drawn.
+func Bypass(p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*networkingv1.NetworkPolicy, error) {
+	b := p.Spec.TargetRef.BypassProtection
+	if b == nil || target == nil {
+		return nil, nil
+	}
+	if len(target.Spec.Selector) == 0 {
+		return nil, fmt.Errorf("spec.targetRef.bypassProtection: Service %s has no selector, so no NetworkPolicy can select its pods", target.Name)
+	}
+	var sp *corev1.ServicePort
+	for i := range target.Spec.Ports {
+		if target.Spec.Ports[i].Port == p.Spec.TargetRef.Port {
+			sp = &target.Spec.Ports[i]
+		}
+	}
+	if sp == nil {
+		return nil, fmt.Errorf("spec.targetRef.bypassProtection: Service %s has no port %d", target.Name, p.Spec.TargetRef.Port)
+	}
+	if sp.TargetPort.Type == intstr.String {
+		return nil, fmt.Errorf("spec.targetRef.bypassProtection: port %d of Service %s has the named targetPort %q; bypass protection needs its number, to leave the pods' other ports open",
+			sp.Port, target.Name, sp.TargetPort.StrVal)
+	}
+	port := sp.TargetPort.IntVal
+	if port == 0 {
+		port = sp.Port
+	}
+	protocol := sp.Protocol
+	if protocol == "" {
+		protocol = corev1.ProtocolTCP
+	}
+	from := []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}}
+	for _, src := range b.AllowedSources {
+		from = append(from, sourcePeer(src))
+	}
+	var others []networkingv1.NetworkPolicyPort
+	portRange := func(proto corev1.Protocol, first, last int32) {
+		if first <= last {
+			others = append(others, networkingv1.NetworkPolicyPort{Protocol: ptr.To(proto), Port: ptr.To(intstr.FromInt32(first)), EndPort: ptr.To(last)})
+		}
+	}
+	for _, proto := range []corev1.Protocol{corev1.ProtocolTCP, corev1.ProtocolUDP, corev1.ProtocolSCTP} {
+		if proto == protocol {
+			portRange(proto, 1, port-1)
+			portRange(proto, port+1, 65535)
+		} else {
+			portRange(proto, 1, 65535)
+		}
+	}
+	name := Name(p)
+	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "bypass-protection"}
+	return &networkingv1.NetworkPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+		ObjectMeta: meta(p, BypassName(name), labels, nil),
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: target.Spec.Selector},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{
+				{Ports: []networkingv1.NetworkPolicyPort{{Protocol: ptr.To(protocol), Port: ptr.To(intstr.FromInt32(port))}}, From: from},
+				{Ports: others},
+			},
+		},
+	}, nil
+}
+
+// sourcePeer is an allowed source as a NetworkPolicy peer.
+func sourcePeer(src v1alpha1.BypassSource) networkingv1.NetworkPolicyPeer {
+	if src.CIDR != "" {
+		cidr := string(src.CIDR)
+		if prefix, err := netip.ParsePrefix(cidr); err == nil {
+			cidr = prefix.Masked().String() // the schema admits 10.0.0.1/8; a NetworkPolicy wants 10.0.0.0/8
+		}
+		return networkingv1.NetworkPolicyPeer{IPBlock: &networkingv1.IPBlock{CIDR: cidr}}
+	}
+	var peer networkingv1.NetworkPolicyPeer
+	if src.Namespace != "" {
+		peer.NamespaceSelector = &metav1.LabelSelector{MatchLabels: map[string]string{NamespaceNameLabel: src.Namespace}}
+	}
+	if len(src.PodLabels) > 0 {
+		peer.PodSelector = &metav1.LabelSelector{MatchLabels: src.PodLabels}
+	}
+	return peer
 }
 
 // policyFile is the policy as the enforcer loads it: the same document a user applies, reduced
