@@ -81,13 +81,17 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	}
 	if objs.NetworkPolicy == nil {
 		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+		if objs.RedisDeployment != nil {
+			unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}})
+		}
 	}
 	if objs.Bypass == nil {
 		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.BypassName(name)}})
 	}
 	if objs.RedisDeployment == nil {
 		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
-		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
+		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis},
+			&policyv1.PodDisruptionBudget{ObjectMeta: redis}, &corev1.Secret{ObjectMeta: redis}, &networkingv1.NetworkPolicy{ObjectMeta: redis})
 	}
 	for _, obj := range unwanted {
 		if err := r.deleteOwned(ctx, p, obj); err != nil {
@@ -182,6 +186,8 @@ func newObject(kind string) client.Object {
 	switch kind {
 	case "ConfigMap":
 		return &corev1.ConfigMap{}
+	case "Secret":
+		return &corev1.Secret{}
 	case "ServiceAccount":
 		return &corev1.ServiceAccount{}
 	case "Role":

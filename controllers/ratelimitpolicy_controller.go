@@ -2,7 +2,10 @@ package controllers
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
+	"fmt"
 	"net/http"
 	"slices"
 	"strings"
@@ -17,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -96,6 +100,7 @@ type memory struct {
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
@@ -156,6 +161,9 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		objs, err := render.Enforcer(p, r.Defaults)
 		if err != nil {
 			return ctrl.Result{}, failed(errRender, err)
+		}
+		if err := r.redisPassword(ctx, p, objs); err != nil {
+			return applyFailed(err, &obs)
 		}
 		if objs.Bypass, err = render.Bypass(p, target); err != nil {
 			// Only a change of the Service or of the spec can fix it, and both are watched.
@@ -428,6 +436,7 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		WithOptions(controller.Options{MaxConcurrentReconciles: max(1, r.Workers)}).
 		For(&v1alpha1.RateLimitPolicy{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Owns(&corev1.ConfigMap{}).
+		Owns(&corev1.Secret{}).
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
@@ -452,9 +461,52 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Complete(r)
 }
 
-// CacheByObject narrows what the manager caches: of all pods, only enforcer pods.
+// CacheByObject narrows what the manager caches: of all pods, only enforcer pods; of all
+// Secrets, only the managed Redis's, which the manager generates. It reads no other Secret.
 func CacheByObject() map[client.Object]cache.ByObject {
 	return map[client.Object]cache.ByObject{
-		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue})},
+		&corev1.Pod{}:    {Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue})},
+		&corev1.Secret{}: {Label: labels.SelectorFromSet(render.RedisSecretLabels)},
 	}
+}
+
+// redisPassword completes the managed Redis of objs with its password: the one its Secret
+// holds, or, when there is no Secret yet (or its password was emptied), a new one of 256 random
+// bits, in a Secret created here so that no other reconcile generates another. A Secret of that
+// name that the policy does not own is never read nor taken over.
+func (r *RateLimitPolicyReconciler) redisPassword(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
+	if objs.RedisDeployment == nil {
+		return nil
+	}
+	key := client.ObjectKey{Namespace: p.Namespace, Name: objs.RedisDeployment.Name}
+	live := &corev1.Secret{}
+	err := r.Get(ctx, key, live)
+	switch {
+	case err == nil:
+		if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+			return &notOwnedError{kind: "Secret", name: key.Name}
+		}
+		if password := live.Data[render.RedisPasswordKey]; len(password) > 0 {
+			render.WithRedisPassword(objs, p, string(password))
+			return nil
+		}
+	case !apierrors.IsNotFound(err):
+		return err
+	}
+	secret := make([]byte, 32)
+	_, _ = rand.Read(secret) // never fails: crypto/rand crashes the program instead
+	render.WithRedisPassword(objs, p, hex.EncodeToString(secret))
+	if err == nil {
+		return nil // the emptied Secret gets the new password applied
+	}
+	if err := r.Create(ctx, objs.RedisSecret.DeepCopy(), client.FieldOwner(FieldOwner)); err != nil {
+		if apierrors.IsAlreadyExists(err) {
+			// Created by a reconcile that the cache has not caught up with, or someone else's
+			// Secret, which the cache never shows: look again later, never overwrite it.
+			return fmt.Errorf("the Secret %s exists but is not one of the managed Redis Secrets the manager knows: created a moment ago, or not the policy's "+
+				"(delete or rename it, or rename the policy)", key.Name)
+		}
+		return fmt.Errorf("create Secret %s: %w", key.Name, err)
+	}
+	return nil
 }

@@ -456,7 +456,12 @@ type Storage struct {
 	// +optional
 	Redis *RedisStorage `json:"redis,omitempty"`
 
-	// managedRedis keeps counters in a Redis that the operator runs for this policy.
+	// managedRedis keeps counters in a Redis that the operator runs for this policy: one pod
+	// without persistence, with a password that the manager generates once into the Secret
+	// sluice-<policy>-redis (mounted as Redis's requirepass and as the enforcer's password file),
+	// ready when an authenticated PING is answered, and a PodDisruptionBudget that holds a drain
+	// until its pod is deleted by hand. A restart empties every counter, and while it restarts
+	// fail-open rules admit every request.
 	// +optional
 	ManagedRedis *ManagedRedis `json:"managedRedis,omitempty"`
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -111,9 +112,15 @@ type Objects struct {
 	Bypass *networkingv1.NetworkPolicy
 	// NetworkPolicy admits traffic to the enforcer pods; nil when Defaults.NetworkPolicy is.
 	NetworkPolicy *networkingv1.NetworkPolicy
-	// Redis objects are nil without managedRedis.
+	// Redis objects are nil without managedRedis. RedisSecret holds its password, which the
+	// controller generates once and keeps: see WithRedisPassword, which sets it.
 	RedisDeployment *appsv1.Deployment
 	RedisService    *corev1.Service
+	RedisPDB        *policyv1.PodDisruptionBudget
+	RedisSecret     *corev1.Secret
+	// RedisNetworkPolicy admits the managed Redis's port from the policy's enforcer pods alone;
+	// nil when Defaults.NetworkPolicy is.
+	RedisNetworkPolicy *networkingv1.NetworkPolicy
 	// Revision identifies the compiled config.
 	Revision string
 }
@@ -124,8 +131,14 @@ func (o *Objects) All() []client.Object {
 	if o.NetworkPolicy != nil {
 		objs = append(objs, o.NetworkPolicy)
 	}
+	if o.RedisSecret != nil {
+		objs = append(objs, o.RedisSecret)
+	}
 	if o.RedisService != nil {
-		objs = append(objs, o.RedisDeployment, o.RedisService)
+		objs = append(objs, o.RedisDeployment, o.RedisService, o.RedisPDB)
+	}
+	if o.RedisNetworkPolicy != nil {
+		objs = append(objs, o.RedisNetworkPolicy)
 	}
 	objs = append(objs, o.Deployment, o.Service)
 	if o.PDB != nil {
@@ -332,8 +345,27 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	}
 	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
 		redisName := RedisName(name)
-		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort))
-		o.RedisDeployment, o.RedisService = managedRedis(p, s.ManagedRedis, redisName, d)
+		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort),
+			"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
+		volumes = append(volumes, corev1.Volume{Name: "redis-credentials", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: redisName, Items: []corev1.KeyToPath{{Key: RedisPasswordKey, Path: RedisPasswordKey}},
+		}}})
+		mounts = append(mounts, corev1.VolumeMount{Name: "redis-credentials", MountPath: redisCredentialsDir, ReadOnly: true})
+		o.RedisDeployment, o.RedisService, o.RedisPDB = managedRedis(p, s.ManagedRedis, redisName, d)
+		if d.NetworkPolicy != nil {
+			o.RedisNetworkPolicy = &networkingv1.NetworkPolicy{
+				TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+				ObjectMeta: meta(p, redisName, o.RedisDeployment.Labels, nil),
+				Spec: networkingv1.NetworkPolicySpec{
+					PodSelector: *o.RedisDeployment.Spec.Selector.DeepCopy(),
+					PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+					Ingress: []networkingv1.NetworkPolicyIngressRule{{
+						Ports: tcpPorts(RedisPort),
+						From:  []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}},
+					}},
+				},
+			}
+		}
 	}
 
 	image := d.EnforcerImage
@@ -620,10 +652,57 @@ func redisArgs(r *v1alpha1.RedisStorage) []string {
 	return args
 }
 
+// The managed Redis's generated Secret: the password, which the enforcer reads as a file, and
+// the same password as the Redis config file's requirepass, which Redis reads at start.
+const (
+	RedisPasswordKey = "password"
+	RedisConfigKey   = "redis.conf"
+	// RedisConfigDir is where the Redis container finds the Secret's files.
+	RedisConfigDir = "/etc/sluice-redis"
+	// RedisPasswordAnnotation on the Redis pod template is a digest of the password, so that a
+	// new password (the Secret deleted or edited) restarts Redis with it.
+	RedisPasswordAnnotation = "ratelimit.sluice.dev/redis-password-digest"
+)
+
+// RedisReadinessCommand is the managed Redis's readiness probe: redis-cli, authenticated with the
+// mounted password, must be answered PONG. The password goes through the environment of
+// redis-cli alone, never through its arguments or the container's environment.
+var RedisReadinessCommand = []string{"sh", "-c",
+	fmt.Sprintf(`test "$(REDISCLI_AUTH="$(cat %s/%s)" redis-cli -h 127.0.0.1 -p %d ping)" = PONG`, RedisConfigDir, RedisPasswordKey, RedisPort)}
+
+// WithRedisPassword completes the managed Redis of o with its Secret, holding password, and the
+// digest of password on the Redis pod template. Rendering stays pure: the controller generates
+// the password once and passes the one it finds from then on.
+func WithRedisPassword(o *Objects, p *v1alpha1.RateLimitPolicy, password string) {
+	if o.RedisDeployment == nil {
+		return
+	}
+	name := o.RedisDeployment.Name
+	o.RedisSecret = &corev1.Secret{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
+		ObjectMeta: meta(p, name, o.RedisDeployment.Labels, nil),
+		Type:       corev1.SecretTypeOpaque,
+		Data: map[string][]byte{
+			RedisPasswordKey: []byte(password),
+			// Quoted as Redis's config parser reads strings, so any password the Secret is given
+			// reads back whole.
+			RedisConfigKey: []byte("requirepass " + strconv.Quote(password) + "\n"),
+		},
+	}
+	sum := sha256.Sum256([]byte(password))
+	o.RedisDeployment.Spec.Template.Annotations = map[string]string{RedisPasswordAnnotation: hex.EncodeToString(sum[:8])}
+}
+
+// RedisSecretLabels are the labels of every managed Redis's objects, its Secret among them: the
+// manager caches only the Secrets that carry them.
+var RedisSecretLabels = map[string]string{labelName: "sluice-redis", labelManagedBy: "sluice"}
+
 // managedRedis is a Redis configured as a rate-limit store: nothing persisted (counters are
 // short-lived and rebuilt by traffic), bounded memory, and eviction of the keys closest to their
-// TTL, which are the ones closest to idle.
-func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service) {
+// TTL, which are the ones closest to idle. It asks for a password from its Secret (see
+// WithRedisPassword), is ready when it answers an authenticated PING, and a disruption budget
+// keeps a drain from evicting it: with one replica, that waits for someone to delete the pod.
+func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget) {
 	labels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "redis"}
 	podLabels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)}
 	image := d.RedisImage
@@ -656,15 +735,21 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 						Name:  "redis",
 						Image: image,
 						Args: []string{
+							RedisConfigDir + "/" + RedisConfigKey,
 							"--save", "", "--appendonly", "no",
 							"--maxmemory", fmt.Sprint(maxMemory.Value()),
 							"--maxmemory-policy", "volatile-ttl",
 						},
-						Ports:           []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
-						ReadinessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromString("redis")}}, PeriodSeconds: 5},
+						Ports: []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
+						ReadinessProbe: &corev1.Probe{
+							ProbeHandler:  corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: RedisReadinessCommand}},
+							PeriodSeconds: 5, TimeoutSeconds: 2,
+						},
 						Resources:       resources,
 						SecurityContext: restrictedContainer(),
+						VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: RedisConfigDir, ReadOnly: true}},
 					}},
+					Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{SecretName: name}}}},
 				},
 			},
 		},
@@ -677,7 +762,15 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 			Ports:    []corev1.ServicePort{{Name: "redis", Port: RedisPort, TargetPort: intstr.FromString("redis"), Protocol: corev1.ProtocolTCP}},
 		},
 	}
-	return dep, svc
+	pdb := &policyv1.PodDisruptionBudget{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: policyv1.PodDisruptionBudgetSpec{
+			MinAvailable: ptr.To(intstr.FromInt32(1)),
+			Selector:     &metav1.LabelSelector{MatchLabels: podLabels},
+		},
+	}
+	return dep, svc, pdb
 }
 
 func meta(p *v1alpha1.RateLimitPolicy, name string, labels, annotations map[string]string) metav1.ObjectMeta {

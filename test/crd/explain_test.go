@@ -57,6 +57,11 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 				"a numeric targetPort", "allowedSources"},
 		},
 		{
+			name:  "when the managed Redis is explained then its password, budget and what it loses are said",
+			field: "rlp.spec.storage.managedRedis",
+			want:  []string{"password that the manager generates once", "PodDisruptionBudget", "without persistence", "fail-open rules admit every request"},
+		},
+		{
 			name:  "when conditions are explained then all six types are named",
 			field: "rlp.status.conditions",
 			want:  []string{"Accepted", "Programmed", "Ready", "Degraded", "Reconciling", "Stalled"},
