@@ -14,6 +14,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
@@ -54,7 +55,9 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	// makes them, its Service and its budget. A policy costs two round trips, not nine.
 	var first, second []client.Object
 	for _, obj := range objs.All() {
-		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) {
+		// The bypass protection comes last: it admits the enforcer pods that the Deployment makes.
+		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) ||
+			objs.Bypass != nil && obj == client.Object(objs.Bypass) {
 			second = append(second, obj)
 		} else {
 			first = append(first, obj)
@@ -76,9 +79,19 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	if objs.PDB == nil {
 		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
 	}
+	if objs.NetworkPolicy == nil {
+		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+		if objs.RedisDeployment != nil {
+			unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}})
+		}
+	}
+	if objs.Bypass == nil {
+		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.BypassName(name)}})
+	}
 	if objs.RedisDeployment == nil {
 		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
-		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis})
+		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis},
+			&policyv1.PodDisruptionBudget{ObjectMeta: redis}, &corev1.Secret{ObjectMeta: redis}, &networkingv1.NetworkPolicy{ObjectMeta: redis})
 	}
 	for _, obj := range unwanted {
 		if err := r.deleteOwned(ctx, p, obj); err != nil {
@@ -97,14 +110,18 @@ type programmed struct {
 	revision, service, image, storage, deployment string
 	replicas                                      int32
 	objects                                       []objectKey
+	// target is the resourceVersion of the target Service that the bypass protection was
+	// rendered from, "" without bypass protection.
+	target string
 }
 
 // remember records what applying objs for p established.
-func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects) *programmed {
+func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects, target *corev1.Service) *programmed {
 	prog := &programmed{
-		uid: p.UID, generation: p.Generation, defaults: r.Defaults,
+		uid: p.UID, generation: p.Generation, defaults: cloneDefaults(r.Defaults),
 		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
 		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
+		target: bypassTarget(p, target),
 	}
 	for _, o := range objs.All() {
 		prog.objects = append(prog.objects, objectKey{kind: o.GetObjectKind().GroupVersionKind().Kind, name: o.GetName()})
@@ -113,17 +130,44 @@ func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *
 	return prog
 }
 
+// cloneDefaults copies d, so that what a reconcile remembers does not move with a later change
+// of the reconciler's defaults.
+func cloneDefaults(d render.Defaults) render.Defaults {
+	if np := d.NetworkPolicy; np != nil {
+		c := *np
+		c.MonitoringNamespaces = slices.Clone(np.MonitoringNamespaces)
+		c.CheckNamespaces = slices.Clone(np.CheckNamespaces)
+		c.ProxyNamespaces = slices.Clone(np.ProxyNamespaces)
+		d.NetworkPolicy = &c
+	}
+	return d
+}
+
+// bypassTarget is what the bypass protection is rendered from: the target Service's
+// resourceVersion, or "" when the policy asks for none.
+func bypassTarget(p *v1alpha1.RateLimitPolicy, target *corev1.Service) string {
+	if p.Spec.TargetRef.BypassProtection == nil {
+		return ""
+	}
+	if target == nil {
+		return "none"
+	}
+	return target.ResourceVersion
+}
+
 // current returns what the last full apply of p established if nothing has changed since on
-// either side: the same policy generation and defaults, and every object at the
-// resourceVersion it was left at. Otherwise nil: render and apply.
-func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy) *programmed {
+// either side: the same policy generation and defaults, the same target Service where bypass
+// protection renders from it, and every object at the resourceVersion it was left at.
+// Otherwise nil: render and apply.
+func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy, target *corev1.Service) *programmed {
 	key := client.ObjectKeyFromObject(p)
 	v, ok := r.mem.programmed.Load(key)
 	if !ok {
 		return nil
 	}
 	prog := v.(*programmed)
-	if prog.uid != p.UID || prog.generation != p.Generation || prog.defaults != r.Defaults {
+	if prog.uid != p.UID || prog.generation != p.Generation || !equality.Semantic.DeepEqual(prog.defaults, r.Defaults) ||
+		prog.target != bypassTarget(p, target) {
 		return nil
 	}
 	for _, o := range prog.objects {
@@ -144,6 +188,8 @@ func newObject(kind string) client.Object {
 	switch kind {
 	case "ConfigMap":
 		return &corev1.ConfigMap{}
+	case "Secret":
+		return &corev1.Secret{}
 	case "ServiceAccount":
 		return &corev1.ServiceAccount{}
 	case "Role":
@@ -156,6 +202,8 @@ func newObject(kind string) client.Object {
 		return &corev1.Service{}
 	case "PodDisruptionBudget":
 		return &policyv1.PodDisruptionBudget{}
+	case "NetworkPolicy":
+		return &networkingv1.NetworkPolicy{}
 	}
 	return nil
 }

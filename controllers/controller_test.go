@@ -20,6 +20,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
@@ -120,7 +121,8 @@ func run(m *testing.M) int {
 	mgrClient = mgr.GetClient()
 	reconciler = &controllers.RateLimitPolicyReconciler{
 		Client: mgrClient, Scheme: scheme, Recorder: mgr.GetEventRecorder("sluice"),
-		Defaults:       render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test"},
+		Defaults: render.Defaults{EnforcerImage: "example.com/enforcer:test", RedisImage: "example.com/redis:test",
+			NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: managerNamespace, MonitoringNamespaces: []string{monitoringNamespace}, CheckNamespaces: []string{gatewayNamespace}}},
 		Workers:        16,
 		ProbeRedis:     controllers.DialRedis,
 		ProbeInterval:  300 * time.Millisecond,
@@ -556,6 +558,7 @@ func TestReconcileWhenPolicyIsDeletedThenTheGarbageCollectorRemovesItsObjects(t 
 		&corev1.ConfigMap{}: name, &appsv1.Deployment{}: name, &corev1.Service{}: name, &policyv1.PodDisruptionBudget{}: name,
 		&corev1.ServiceAccount{}: name, &rbacv1.Role{}: name, &rbacv1.RoleBinding{}: name,
 		&appsv1.Deployment{}: redisName, &corev1.Service{}: redisName,
+		&corev1.Secret{}: redisName, &policyv1.PodDisruptionBudget{}: redisName, &networkingv1.NetworkPolicy{}: name,
 	}
 	for o, key := range owned {
 		if err := k8s.Get(ctx, key, o); err != nil {

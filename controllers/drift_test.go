@@ -9,6 +9,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -89,6 +90,25 @@ func TestReconcileWhenAnOwnedObjectIsEditedOrDeletedThenItIsPutBack(t *testing.T
 			s := &corev1.Service{}
 			err := k8s.Get(ctx, key, s)
 			return err == nil && s.DeletionTimestamp == nil, "Service not created again"
+		}},
+		{"when the NetworkPolicy's admin port is opened to every namespace by hand then it is put back", func() error {
+			np := &networkingv1.NetworkPolicy{}
+			if err := k8s.Get(ctx, key, np); err != nil {
+				return err
+			}
+			np.Spec.Ingress[len(np.Spec.Ingress)-1].From = nil
+			return k8s.Update(ctx, np)
+		}, func() (bool, string) {
+			np := &networkingv1.NetworkPolicy{}
+			err := k8s.Get(ctx, key, np)
+			return err == nil && len(np.Spec.Ingress[len(np.Spec.Ingress)-1].From) == 1, "admin rule not narrowed again"
+		}},
+		{"when the NetworkPolicy is deleted then it is created again", func() error {
+			return k8s.Delete(ctx, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: key.Name}})
+		}, func() (bool, string) {
+			np := &networkingv1.NetworkPolicy{}
+			err := k8s.Get(ctx, key, np)
+			return err == nil && np.DeletionTimestamp == nil, "NetworkPolicy not created again"
 		}},
 		{"when the ConfigMap is deleted then it is created again", func() error {
 			return k8s.Delete(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: key.Name}})

@@ -2,7 +2,10 @@ package controllers
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
+	"fmt"
 	"net/http"
 	"slices"
 	"strings"
@@ -11,11 +14,13 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -95,6 +100,8 @@ type memory struct {
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile applies the policy's enforcer objects and reports what it observed in status.
@@ -137,18 +144,37 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, nil
 	}
 
+	target := &corev1.Service{}
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	obs.targetMissing = apierrors.IsNotFound(err)
+	if err := client.IgnoreNotFound(err); err != nil {
+		return ctrl.Result{}, failed(errRead, err)
+	}
+	if obs.targetMissing {
+		target = nil
+	}
+
 	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
 	// nor compares them again.
-	prog := r.current(ctx, p)
+	prog := r.current(ctx, p, target)
 	if prog == nil {
 		objs, err := render.Enforcer(p, r.Defaults)
 		if err != nil {
 			return ctrl.Result{}, failed(errRender, err)
 		}
+		if err := r.redisPassword(ctx, p, objs); err != nil {
+			return applyFailed(err, &obs)
+		}
+		if objs.Bypass, err = render.Bypass(p, target); err != nil {
+			// Only a change of the Service or of the spec can fix it, and both are watched.
+			obs.applyErr, obs.stalled = err, true
+			_ = failed(errRender, err)
+			return ctrl.Result{}, nil
+		}
 		if err := r.apply(ctx, p, objs); err != nil {
 			return applyFailed(err, &obs)
 		}
-		prog = r.remember(p, objs)
+		prog = r.remember(p, objs, target)
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
@@ -163,12 +189,6 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, failed(errRead, err)
 	}
 	obs.deployment = dep
-	target := &corev1.Service{}
-	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target, client.UnsafeDisableDeepCopy)
-	obs.targetMissing = apierrors.IsNotFound(err)
-	if err := client.IgnoreNotFound(err); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
 	if err := r.readReports(ctx, p, &obs); err != nil {
 		return ctrl.Result{}, failed(errRead, err)
 	}
@@ -418,9 +438,11 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		WithOptions(controller.Options{MaxConcurrentReconciles: max(1, r.Workers)}).
 		For(&v1alpha1.RateLimitPolicy{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Owns(&corev1.ConfigMap{}).
+		Owns(&corev1.Secret{}).
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
+		Owns(&networkingv1.NetworkPolicy{}).
 		Owns(&corev1.ServiceAccount{}).
 		Owns(&rbacv1.Role{}).
 		Owns(&rbacv1.RoleBinding{}).
@@ -441,9 +463,52 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Complete(r)
 }
 
-// CacheByObject narrows what the manager caches: of all pods, only enforcer pods.
+// CacheByObject narrows what the manager caches: of all pods, only enforcer pods; of all
+// Secrets, only the managed Redis's, which the manager generates. It reads no other Secret.
 func CacheByObject() map[client.Object]cache.ByObject {
 	return map[client.Object]cache.ByObject{
-		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue})},
+		&corev1.Pod{}:    {Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue})},
+		&corev1.Secret{}: {Label: labels.SelectorFromSet(render.RedisSecretLabels)},
 	}
+}
+
+// redisPassword completes the managed Redis of objs with its password: the one its Secret
+// holds, or, when there is no Secret yet (or its password was emptied), a new one of 256 random
+// bits, in a Secret created here so that no other reconcile generates another. A Secret of that
+// name that the policy does not own is never read nor taken over.
+func (r *RateLimitPolicyReconciler) redisPassword(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
+	if objs.RedisDeployment == nil {
+		return nil
+	}
+	key := client.ObjectKey{Namespace: p.Namespace, Name: objs.RedisDeployment.Name}
+	live := &corev1.Secret{}
+	err := r.Get(ctx, key, live)
+	switch {
+	case err == nil:
+		if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+			return &notOwnedError{kind: "Secret", name: key.Name}
+		}
+		if password := live.Data[render.RedisPasswordKey]; len(password) > 0 {
+			render.WithRedisPassword(objs, p, string(password))
+			return nil
+		}
+	case !apierrors.IsNotFound(err):
+		return err
+	}
+	secret := make([]byte, 32)
+	_, _ = rand.Read(secret) // never fails: crypto/rand crashes the program instead
+	render.WithRedisPassword(objs, p, hex.EncodeToString(secret))
+	if err == nil {
+		return nil // the emptied Secret gets the new password applied
+	}
+	if err := r.Create(ctx, objs.RedisSecret.DeepCopy(), client.FieldOwner(FieldOwner)); err != nil {
+		if apierrors.IsAlreadyExists(err) {
+			// Created by a reconcile that the cache has not caught up with, or someone else's
+			// Secret, which the cache never shows: look again later, never overwrite it.
+			return fmt.Errorf("the Secret %s exists but is not one of the managed Redis Secrets the manager knows: created a moment ago, or not the policy's "+
+				"(delete or rename it, or rename the policy)", key.Name)
+		}
+		return fmt.Errorf("create Secret %s: %w", key.Name, err)
+	}
+	return nil
 }

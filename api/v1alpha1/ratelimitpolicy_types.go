@@ -105,6 +105,53 @@ type TargetRef struct {
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=65535
 	Port int32 `json:"port,omitempty"`
+
+	// bypassProtection, when set, stops clients from going around the enforcer: a NetworkPolicy
+	// selects the target Service's pods (by the Service's selector) and admits their target port
+	// only from this policy's enforcer pods and from allowedSources. All other traffic to those
+	// pods on that port stops, and so does traffic that reaches them through the Service
+	// directly; their other ports stay open. It needs a network plugin that enforces
+	// NetworkPolicy, a Service with a selector, and a numeric targetPort on the Service port.
+	// Absent: the target stays reachable beside the enforcer.
+	// +optional
+	BypassProtection *BypassProtection `json:"bypassProtection,omitempty"`
+}
+
+// BypassProtection lists who, besides the enforcer, may still reach the target's pods directly.
+type BypassProtection struct {
+	// allowedSources are the peers that may reach the target's pods on the target port without
+	// passing the enforcer, such as a job that must not be limited. Empty: the enforcer alone.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=16
+	AllowedSources []BypassSource `json:"allowedSources,omitempty"`
+}
+
+// BypassSource is one peer: the pods of a namespace (all, or those with podLabels), the pods
+// with podLabels in the policy's namespace, or the addresses of a CIDR.
+//
+// +kubebuilder:validation:XValidation:rule="has(self.namespace) || has(self.podLabels) || has(self.cidr)",message="set namespace, podLabels or cidr"
+// +kubebuilder:validation:XValidation:rule="!has(self.cidr) || !(has(self.namespace) || has(self.podLabels))",message="cidr stands alone: it cannot be combined with namespace or podLabels"
+type BypassSource struct {
+	// namespace is the name of the namespace whose pods may reach the target; with podLabels,
+	// only its pods that carry them. Absent with podLabels: the policy's namespace.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:XValidation:rule="self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",message="must be a namespace name: lowercase letters, digits and '-', starting and ending with a letter or digit"
+	Namespace string `json:"namespace,omitempty"`
+
+	// podLabels selects the pods that may reach the target: those that carry every one of these
+	// labels.
+	// +optional
+	// +kubebuilder:validation:MinProperties=1
+	// +kubebuilder:validation:MaxProperties=8
+	PodLabels map[string]string `json:"podLabels,omitempty"`
+
+	// cidr admits the addresses of a network, such as a load balancer's or a node's, which no
+	// pod selector can name.
+	// +optional
+	CIDR CIDR `json:"cidr,omitempty"`
 }
 
 // Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.
@@ -409,7 +456,12 @@ type Storage struct {
 	// +optional
 	Redis *RedisStorage `json:"redis,omitempty"`
 
-	// managedRedis keeps counters in a Redis that the operator runs for this policy.
+	// managedRedis keeps counters in a Redis that the operator runs for this policy: one pod
+	// without persistence, with a password that the manager generates once into the Secret
+	// sluice-<policy>-redis (mounted as Redis's requirepass and as the enforcer's password file),
+	// ready when an authenticated PING is answered, and a PodDisruptionBudget that holds a drain
+	// until its pod is deleted by hand. A restart empties every counter, and while it restarts
+	// fail-open rules admit every request.
 	// +optional
 	ManagedRedis *ManagedRedis `json:"managedRedis,omitempty"`
 }

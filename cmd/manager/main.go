@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/validation"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
@@ -49,6 +50,7 @@ func main() {
 		reportInterval         time.Duration
 		lease                  leaseFlags
 		showVersion            bool
+		netpol                 networkPolicyFlags
 	)
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "Address of the metrics endpoint; 0 disables it.")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "Address of the health probe endpoint.")
@@ -70,6 +72,7 @@ func main() {
 		"counters), and the least time between two status writes that only move counts or messages.")
 	flag.BoolVar(&showVersion, "version", false, "Print the version, commit and Go version, and exit.")
 	wh.bind(flag.CommandLine)
+	netpol.bind(flag.CommandLine)
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse() // --help exits 0, a flag it cannot parse 2
@@ -90,6 +93,12 @@ func main() {
 	scheme := runtime.NewScheme()
 	utilruntime.Must(clientgoscheme.AddToScheme(scheme))
 	utilruntime.Must(v1alpha1.AddToScheme(scheme))
+
+	var err error
+	if defaults.NetworkPolicy, err = netpol.defaults(wh.namespace); err != nil {
+		log.Error(err, "Invalid NetworkPolicy flags")
+		os.Exit(1)
+	}
 
 	cfg := ctrl.GetConfigOrDie()
 	cfg.QPS, cfg.Burst = float32(qps), burst
@@ -168,6 +177,46 @@ func main() {
 		log.Error(err, "The manager stopped")
 		os.Exit(1)
 	}
+}
+
+// networkPolicyFlags say whether each enforcer gets a NetworkPolicy and whom it admits.
+type networkPolicyFlags struct {
+	enabled                  bool
+	monitoring, check, proxy string
+}
+
+func (f *networkPolicyFlags) bind(fs *flag.FlagSet) {
+	fs.BoolVar(&f.enabled, "enforcer-network-policy", true, "Render a NetworkPolicy for each policy's enforcer pods that admits the admin port only from --namespace and "+
+		"--monitoring-namespaces, the check and RLS ports only from the policy's namespace and --check-namespaces, and the proxy port from --proxy-namespaces "+
+		"or from anywhere. Takes effect only with a network plugin that enforces NetworkPolicy.")
+	fs.StringVar(&f.monitoring, "monitoring-namespaces", "", "Comma-separated namespaces that may reach the enforcers' admin port (/metrics, /report), besides the manager's.")
+	fs.StringVar(&f.check, "check-namespaces", "", "Comma-separated namespaces that may reach the enforcers' check and RLS ports (the gateways that ask for decisions), "+
+		"besides each policy's own.")
+	fs.StringVar(&f.proxy, "proxy-namespaces", "", "Comma-separated namespaces that alone may reach the enforcers' proxy port; empty means any source, in or outside the cluster.")
+}
+
+// defaults are the NetworkPolicy defaults the flags give, nil when disabled, or an error naming
+// the flag whose list holds something that is not a namespace name.
+func (f *networkPolicyFlags) defaults(managerNamespace string) (*render.NetworkPolicyDefaults, error) {
+	if !f.enabled {
+		return nil, nil
+	}
+	d := &render.NetworkPolicyDefaults{ManagerNamespace: managerNamespace}
+	for _, l := range []struct {
+		flag, value string
+		into        *[]string
+	}{{"monitoring-namespaces", f.monitoring, &d.MonitoringNamespaces}, {"check-namespaces", f.check, &d.CheckNamespaces}, {"proxy-namespaces", f.proxy, &d.ProxyNamespaces}} {
+		for name := range strings.SplitSeq(l.value, ",") {
+			if name = strings.TrimSpace(name); name == "" {
+				continue
+			}
+			if errs := validation.IsDNS1123Label(name); len(errs) > 0 {
+				return nil, fmt.Errorf("--%s: %q is not a namespace name: %s", l.flag, name, strings.Join(errs, "; "))
+			}
+			*l.into = append(*l.into, name)
+		}
+	}
+	return d, nil
 }
 
 // leaseFlags time leader election.

@@ -6,11 +6,15 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -67,10 +71,29 @@ const (
 	labelManagedBy   = "app.kubernetes.io/managed-by"
 )
 
-// Defaults are the manager's settings that policies may override.
+// Defaults are the manager's settings that policies may override, and those that shape every
+// policy's objects.
 type Defaults struct {
 	EnforcerImage string
 	RedisImage    string
+	// NetworkPolicy, when set, renders a NetworkPolicy that admits traffic to the enforcer pods
+	// port by port; nil renders none.
+	NetworkPolicy *NetworkPolicyDefaults
+}
+
+// NetworkPolicyDefaults say which namespaces may reach which port of the enforcer pods. Every
+// list holds namespace names.
+type NetworkPolicyDefaults struct {
+	// ManagerNamespace is the manager's namespace, whose pods read the admin port's /report.
+	ManagerNamespace string
+	// MonitoringNamespaces may reach the admin port too (Prometheus scrapes /metrics there).
+	MonitoringNamespaces []string
+	// CheckNamespaces may reach the check and RLS ports (gateways that ask for decisions),
+	// besides the policy's own namespace.
+	CheckNamespaces []string
+	// ProxyNamespaces alone may reach the proxy port; empty means any source, in or outside the
+	// cluster.
+	ProxyNamespaces []string
 }
 
 // Objects are the desired objects of one policy, in apply order.
@@ -84,9 +107,20 @@ type Objects struct {
 	Service        *corev1.Service
 	// PDB is nil with one replica.
 	PDB *policyv1.PodDisruptionBudget
-	// Redis objects are nil without managedRedis.
+	// Bypass keeps clients from reaching the target's pods around the enforcer; nil without
+	// targetRef.bypassProtection or without the target Service. See Bypass.
+	Bypass *networkingv1.NetworkPolicy
+	// NetworkPolicy admits traffic to the enforcer pods; nil when Defaults.NetworkPolicy is.
+	NetworkPolicy *networkingv1.NetworkPolicy
+	// Redis objects are nil without managedRedis. RedisSecret holds its password, which the
+	// controller generates once and keeps: see WithRedisPassword, which sets it.
 	RedisDeployment *appsv1.Deployment
 	RedisService    *corev1.Service
+	RedisPDB        *policyv1.PodDisruptionBudget
+	RedisSecret     *corev1.Secret
+	// RedisNetworkPolicy admits the managed Redis's port from the policy's enforcer pods alone;
+	// nil when Defaults.NetworkPolicy is.
+	RedisNetworkPolicy *networkingv1.NetworkPolicy
 	// Revision identifies the compiled config.
 	Revision string
 }
@@ -94,12 +128,24 @@ type Objects struct {
 // All are the objects that exist for the policy.
 func (o *Objects) All() []client.Object {
 	objs := []client.Object{o.ConfigMap, o.ServiceAccount, o.Role, o.RoleBinding}
+	if o.NetworkPolicy != nil {
+		objs = append(objs, o.NetworkPolicy)
+	}
+	if o.RedisSecret != nil {
+		objs = append(objs, o.RedisSecret)
+	}
 	if o.RedisService != nil {
-		objs = append(objs, o.RedisDeployment, o.RedisService)
+		objs = append(objs, o.RedisDeployment, o.RedisService, o.RedisPDB)
+	}
+	if o.RedisNetworkPolicy != nil {
+		objs = append(objs, o.RedisNetworkPolicy)
 	}
 	objs = append(objs, o.Deployment, o.Service)
 	if o.PDB != nil {
 		objs = append(objs, o.PDB)
+	}
+	if o.Bypass != nil {
+		objs = append(objs, o.Bypass)
 	}
 	return objs
 }
@@ -299,8 +345,27 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	}
 	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
 		redisName := RedisName(name)
-		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort))
-		o.RedisDeployment, o.RedisService = managedRedis(p, s.ManagedRedis, redisName, d)
+		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort),
+			"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
+		volumes = append(volumes, corev1.Volume{Name: "redis-credentials", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: redisName, Items: []corev1.KeyToPath{{Key: RedisPasswordKey, Path: RedisPasswordKey}},
+		}}})
+		mounts = append(mounts, corev1.VolumeMount{Name: "redis-credentials", MountPath: redisCredentialsDir, ReadOnly: true})
+		o.RedisDeployment, o.RedisService, o.RedisPDB = managedRedis(p, s.ManagedRedis, redisName, d)
+		if d.NetworkPolicy != nil {
+			o.RedisNetworkPolicy = &networkingv1.NetworkPolicy{
+				TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+				ObjectMeta: meta(p, redisName, o.RedisDeployment.Labels, nil),
+				Spec: networkingv1.NetworkPolicySpec{
+					PodSelector: *o.RedisDeployment.Spec.Selector.DeepCopy(),
+					PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+					Ingress: []networkingv1.NetworkPolicyIngressRule{{
+						Ports: tcpPorts(RedisPort),
+						From:  []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}},
+					}},
+				},
+			}
+		}
 	}
 
 	image := d.EnforcerImage
@@ -372,6 +437,9 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			Ports:    servicePorts(rls),
 		},
 	}
+	if d.NetworkPolicy != nil {
+		o.NetworkPolicy = enforcerNetworkPolicy(p, name, labels, rls, d.NetworkPolicy)
+	}
 	if replicas > 1 {
 		o.PDB = &policyv1.PodDisruptionBudget{
 			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
@@ -383,6 +451,158 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		}
 	}
 	return o, nil
+}
+
+// NamespaceNameLabel is the label the API server sets on every namespace to its name, which
+// NetworkPolicies select namespaces by.
+const NamespaceNameLabel = "kubernetes.io/metadata.name"
+
+// enforcerNetworkPolicy admits, to the enforcer pods: the proxy port from ProxyNamespaces, or
+// from anywhere when it lists none; the check and RLS ports from the policy's namespace and
+// CheckNamespaces; the admin port (reports, keys, metrics, pprof) from the manager's namespace
+// and MonitoringNamespaces. Egress is not restricted. Kubelet probes come from the node, which
+// NetworkPolicies always admit.
+func enforcerNetworkPolicy(p *v1alpha1.RateLimitPolicy, name string, labels map[string]string, rls bool, d *NetworkPolicyDefaults) *networkingv1.NetworkPolicy {
+	proxy := networkingv1.NetworkPolicyIngressRule{Ports: tcpPorts(ProxyPort)}
+	if len(d.ProxyNamespaces) > 0 {
+		proxy.From = namespacePeers(d.ProxyNamespaces)
+	}
+	checkPorts := []int32{CheckPort}
+	if rls {
+		checkPorts = append(checkPorts, RLSPort)
+	}
+	check := networkingv1.NetworkPolicyIngressRule{
+		Ports: tcpPorts(checkPorts...),
+		From:  namespacePeers(append([]string{p.Namespace}, d.CheckNamespaces...)),
+	}
+	rules := []networkingv1.NetworkPolicyIngressRule{proxy, check}
+	var admin []string
+	if d.ManagerNamespace != "" {
+		admin = append(admin, d.ManagerNamespace)
+	}
+	if admin = append(admin, d.MonitoringNamespaces...); len(admin) > 0 {
+		rules = append(rules, networkingv1.NetworkPolicyIngressRule{Ports: tcpPorts(AdminPort), From: namespacePeers(admin)})
+	}
+	return &networkingv1.NetworkPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: PodLabels(p)},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress:     rules,
+		},
+	}
+}
+
+func tcpPorts(ports ...int32) []networkingv1.NetworkPolicyPort {
+	out := make([]networkingv1.NetworkPolicyPort, len(ports))
+	for i, port := range ports {
+		out[i] = networkingv1.NetworkPolicyPort{Protocol: ptr.To(corev1.ProtocolTCP), Port: ptr.To(intstr.FromInt32(port))}
+	}
+	return out
+}
+
+// namespacePeers selects every pod of the named namespaces, by the name label the API server
+// keeps on each: sorted and without repeats, so the same set renders the same object.
+func namespacePeers(namespaces []string) []networkingv1.NetworkPolicyPeer {
+	names := slices.Compact(slices.Sorted(slices.Values(namespaces)))
+	return []networkingv1.NetworkPolicyPeer{{NamespaceSelector: &metav1.LabelSelector{
+		MatchExpressions: []metav1.LabelSelectorRequirement{{Key: NamespaceNameLabel, Operator: metav1.LabelSelectorOpIn, Values: names}},
+	}}}
+}
+
+// BypassName is the name of the bypass protection's NetworkPolicy of the enforcer objects named
+// name.
+func BypassName(name string) string { return label(name + "-bypass") }
+
+// Bypass renders targetRef.bypassProtection against the target Service as it is: a NetworkPolicy
+// that selects the Service's pods by its selector and admits their target port only from the
+// policy's enforcer pods and the allowed sources. A pod that any NetworkPolicy selects admits
+// only what some policy allows, so a second rule keeps every other port and protocol of those
+// pods open, as before. It returns nil when the policy asks for no protection or the Service
+// does not exist (Degraded says so), and an error that names what is missing when the Service
+// cannot be protected: no selector, no such port, or a named targetPort, around which no port
+// range can be drawn.
+func Bypass(p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*networkingv1.NetworkPolicy, error) {
+	b := p.Spec.TargetRef.BypassProtection
+	if b == nil || target == nil {
+		return nil, nil
+	}
+	if len(target.Spec.Selector) == 0 {
+		return nil, fmt.Errorf("spec.targetRef.bypassProtection: Service %s has no selector, so no NetworkPolicy can select its pods", target.Name)
+	}
+	var sp *corev1.ServicePort
+	for i := range target.Spec.Ports {
+		if target.Spec.Ports[i].Port == p.Spec.TargetRef.Port {
+			sp = &target.Spec.Ports[i]
+		}
+	}
+	if sp == nil {
+		return nil, fmt.Errorf("spec.targetRef.bypassProtection: Service %s has no port %d", target.Name, p.Spec.TargetRef.Port)
+	}
+	if sp.TargetPort.Type == intstr.String {
+		return nil, fmt.Errorf("spec.targetRef.bypassProtection: port %d of Service %s has the named targetPort %q; bypass protection needs its number, to leave the pods' other ports open",
+			sp.Port, target.Name, sp.TargetPort.StrVal)
+	}
+	port := sp.TargetPort.IntVal
+	if port == 0 {
+		port = sp.Port
+	}
+	protocol := sp.Protocol
+	if protocol == "" {
+		protocol = corev1.ProtocolTCP
+	}
+	from := []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}}
+	for _, src := range b.AllowedSources {
+		from = append(from, sourcePeer(src))
+	}
+	var others []networkingv1.NetworkPolicyPort
+	portRange := func(proto corev1.Protocol, first, last int32) {
+		if first <= last {
+			others = append(others, networkingv1.NetworkPolicyPort{Protocol: ptr.To(proto), Port: ptr.To(intstr.FromInt32(first)), EndPort: ptr.To(last)})
+		}
+	}
+	for _, proto := range []corev1.Protocol{corev1.ProtocolTCP, corev1.ProtocolUDP, corev1.ProtocolSCTP} {
+		if proto == protocol {
+			portRange(proto, 1, port-1)
+			portRange(proto, port+1, 65535)
+		} else {
+			portRange(proto, 1, 65535)
+		}
+	}
+	name := Name(p)
+	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "bypass-protection"}
+	return &networkingv1.NetworkPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+		ObjectMeta: meta(p, BypassName(name), labels, nil),
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: target.Spec.Selector},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{
+				{Ports: []networkingv1.NetworkPolicyPort{{Protocol: ptr.To(protocol), Port: ptr.To(intstr.FromInt32(port))}}, From: from},
+				{Ports: others},
+			},
+		},
+	}, nil
+}
+
+// sourcePeer is an allowed source as a NetworkPolicy peer.
+func sourcePeer(src v1alpha1.BypassSource) networkingv1.NetworkPolicyPeer {
+	if src.CIDR != "" {
+		cidr := string(src.CIDR)
+		if prefix, err := netip.ParsePrefix(cidr); err == nil {
+			cidr = prefix.Masked().String() // the schema admits 10.0.0.1/8; a NetworkPolicy wants 10.0.0.0/8
+		}
+		return networkingv1.NetworkPolicyPeer{IPBlock: &networkingv1.IPBlock{CIDR: cidr}}
+	}
+	var peer networkingv1.NetworkPolicyPeer
+	if src.Namespace != "" {
+		peer.NamespaceSelector = &metav1.LabelSelector{MatchLabels: map[string]string{NamespaceNameLabel: src.Namespace}}
+	}
+	if len(src.PodLabels) > 0 {
+		peer.PodSelector = &metav1.LabelSelector{MatchLabels: src.PodLabels}
+	}
+	return peer
 }
 
 // policyFile is the policy as the enforcer loads it: the same document a user applies, reduced
@@ -432,10 +652,57 @@ func redisArgs(r *v1alpha1.RedisStorage) []string {
 	return args
 }
 
+// The managed Redis's generated Secret: the password, which the enforcer reads as a file, and
+// the same password as the Redis config file's requirepass, which Redis reads at start.
+const (
+	RedisPasswordKey = "password"
+	RedisConfigKey   = "redis.conf"
+	// RedisConfigDir is where the Redis container finds the Secret's files.
+	RedisConfigDir = "/etc/sluice-redis"
+	// RedisPasswordAnnotation on the Redis pod template is a digest of the password, so that a
+	// new password (the Secret deleted or edited) restarts Redis with it.
+	RedisPasswordAnnotation = "ratelimit.sluice.dev/redis-password-digest"
+)
+
+// RedisReadinessCommand is the managed Redis's readiness probe: redis-cli, authenticated with the
+// mounted password, must be answered PONG. The password goes through the environment of
+// redis-cli alone, never through its arguments or the container's environment.
+var RedisReadinessCommand = []string{"sh", "-c",
+	fmt.Sprintf(`test "$(REDISCLI_AUTH="$(cat %s/%s)" redis-cli -h 127.0.0.1 -p %d ping)" = PONG`, RedisConfigDir, RedisPasswordKey, RedisPort)}
+
+// WithRedisPassword completes the managed Redis of o with its Secret, holding password, and the
+// digest of password on the Redis pod template. Rendering stays pure: the controller generates
+// the password once and passes the one it finds from then on.
+func WithRedisPassword(o *Objects, p *v1alpha1.RateLimitPolicy, password string) {
+	if o.RedisDeployment == nil {
+		return
+	}
+	name := o.RedisDeployment.Name
+	o.RedisSecret = &corev1.Secret{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
+		ObjectMeta: meta(p, name, o.RedisDeployment.Labels, nil),
+		Type:       corev1.SecretTypeOpaque,
+		Data: map[string][]byte{
+			RedisPasswordKey: []byte(password),
+			// Quoted as Redis's config parser reads strings, so any password the Secret is given
+			// reads back whole.
+			RedisConfigKey: []byte("requirepass " + strconv.Quote(password) + "\n"),
+		},
+	}
+	sum := sha256.Sum256([]byte(password))
+	o.RedisDeployment.Spec.Template.Annotations = map[string]string{RedisPasswordAnnotation: hex.EncodeToString(sum[:8])}
+}
+
+// RedisSecretLabels are the labels of every managed Redis's objects, its Secret among them: the
+// manager caches only the Secrets that carry them.
+var RedisSecretLabels = map[string]string{labelName: "sluice-redis", labelManagedBy: "sluice"}
+
 // managedRedis is a Redis configured as a rate-limit store: nothing persisted (counters are
 // short-lived and rebuilt by traffic), bounded memory, and eviction of the keys closest to their
-// TTL, which are the ones closest to idle.
-func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service) {
+// TTL, which are the ones closest to idle. It asks for a password from its Secret (see
+// WithRedisPassword), is ready when it answers an authenticated PING, and a disruption budget
+// keeps a drain from evicting it: with one replica, that waits for someone to delete the pod.
+func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget) {
 	labels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "redis"}
 	podLabels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)}
 	image := d.RedisImage
@@ -468,15 +735,21 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 						Name:  "redis",
 						Image: image,
 						Args: []string{
+							RedisConfigDir + "/" + RedisConfigKey,
 							"--save", "", "--appendonly", "no",
 							"--maxmemory", fmt.Sprint(maxMemory.Value()),
 							"--maxmemory-policy", "volatile-ttl",
 						},
-						Ports:           []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
-						ReadinessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromString("redis")}}, PeriodSeconds: 5},
+						Ports: []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
+						ReadinessProbe: &corev1.Probe{
+							ProbeHandler:  corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: RedisReadinessCommand}},
+							PeriodSeconds: 5, TimeoutSeconds: 2,
+						},
 						Resources:       resources,
 						SecurityContext: restrictedContainer(),
+						VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: RedisConfigDir, ReadOnly: true}},
 					}},
+					Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{SecretName: name}}}},
 				},
 			},
 		},
@@ -489,7 +762,15 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 			Ports:    []corev1.ServicePort{{Name: "redis", Port: RedisPort, TargetPort: intstr.FromString("redis"), Protocol: corev1.ProtocolTCP}},
 		},
 	}
-	return dep, svc
+	pdb := &policyv1.PodDisruptionBudget{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: policyv1.PodDisruptionBudgetSpec{
+			MinAvailable: ptr.To(intstr.FromInt32(1)),
+			Selector:     &metav1.LabelSelector{MatchLabels: podLabels},
+		},
+	}
+	return dep, svc, pdb
 }
 
 func meta(p *v1alpha1.RateLimitPolicy, name string, labels, annotations map[string]string) metav1.ObjectMeta {

@@ -12,6 +12,9 @@ import (
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
@@ -22,7 +25,8 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files")
 
-var defaults = render.Defaults{EnforcerImage: "example.com/sluice-enforcer:test", RedisImage: "example.com/redis:test"}
+var defaults = render.Defaults{EnforcerImage: "example.com/sluice-enforcer:test", RedisImage: "example.com/redis:test",
+	NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: "sluice-system", MonitoringNamespaces: []string{"monitoring"}}}
 
 func readSample(t *testing.T, name string) *v1alpha1.RateLimitPolicy {
 	t.Helper()
@@ -52,10 +56,13 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 	for _, path := range samples {
 		name := filepath.Base(path)
 		t.Run(name, func(t *testing.T) {
-			objs, err := render.Enforcer(readSample(t, name), defaults)
+			p := readSample(t, name)
+			objs, err := render.Enforcer(p, defaults)
 			if err != nil {
 				t.Fatal(err)
 			}
+			// The controller generates the managed Redis's password; a fixed one here.
+			render.WithRedisPassword(objs, p, "golden-password")
 			var docs []string
 			for _, o := range objs.All() {
 				out, err := yaml.Marshal(o)
@@ -219,5 +226,58 @@ func TestEnforcerWhenAnyAdmittedNameThenEveryLabelValueIsValidAndThePodsNameTheP
 	}
 	if render.LabelValue(strings.Repeat("a", 64)) == render.LabelValue(strings.Repeat("a", 63)+"b") {
 		t.Error("two long names share a label value")
+	}
+}
+
+// The bypass protection keeps every other port of the target's pods open, at the edges of the
+// port range too, and refuses a Service it cannot protect, naming the field.
+func TestBypassWhenTheTargetPortIsAtAnEdgeOrCannotBeProtected(t *testing.T) {
+	p := readSample(t, "token-bucket.yaml")
+	p.Spec.TargetRef.BypassProtection = &v1alpha1.BypassProtection{}
+	service := func(port corev1.ServicePort, selector map[string]string) *corev1.Service {
+		return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: p.Spec.TargetRef.Name}, Spec: corev1.ServiceSpec{Selector: selector, Ports: []corev1.ServicePort{port}}}
+	}
+	app := map[string]string{"app": "api"}
+	ranges := func(np *networkingv1.NetworkPolicy) []string {
+		var out []string
+		for _, r := range np.Spec.Ingress[1].Ports {
+			out = append(out, fmt.Sprintf("%s %d-%d", *r.Protocol, r.Port.IntVal, *r.EndPort))
+		}
+		return out
+	}
+	for _, c := range []struct {
+		name    string
+		svc     *corev1.Service
+		want    []string
+		wantErr string
+	}{
+		{"when the target port is 1 then no range lies below it", service(corev1.ServicePort{Port: p.Spec.TargetRef.Port, TargetPort: intstr.FromInt32(1)}, app),
+			[]string{"TCP 2-65535", "UDP 1-65535", "SCTP 1-65535"}, ""},
+		{"when the target port is 65535 then no range lies above it", service(corev1.ServicePort{Port: p.Spec.TargetRef.Port, TargetPort: intstr.FromInt32(65535)}, app),
+			[]string{"TCP 1-65534", "UDP 1-65535", "SCTP 1-65535"}, ""},
+		{"when the targetPort is absent then the port is protected, on its protocol", service(corev1.ServicePort{Port: p.Spec.TargetRef.Port, Protocol: corev1.ProtocolUDP}, app),
+			[]string{"TCP 1-65535", fmt.Sprintf("UDP 1-%d", p.Spec.TargetRef.Port-1), fmt.Sprintf("UDP %d-65535", p.Spec.TargetRef.Port+1), "SCTP 1-65535"}, ""},
+		{"when the Service has no selector then it is refused", service(corev1.ServicePort{Port: p.Spec.TargetRef.Port}, nil), nil, "has no selector"},
+		{"when the Service lacks the port then it is refused", service(corev1.ServicePort{Port: p.Spec.TargetRef.Port + 1}, app), nil, "has no port"},
+		{"when the targetPort is named then it is refused", service(corev1.ServicePort{Port: p.Spec.TargetRef.Port, TargetPort: intstr.FromString("http")}, app), nil, `named targetPort "http"`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			np, err := render.Bypass(p, c.svc)
+			if c.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), c.wantErr) || !strings.HasPrefix(err.Error(), "spec.targetRef.bypassProtection: ") {
+					t.Fatalf("error = %v, want one naming spec.targetRef.bypassProtection and saying %q", err, c.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff(c.want, ranges(np)); diff != "" {
+				t.Errorf("ports left open (-want +got):\n%s", diff)
+			}
+		})
+	}
+	if np, err := render.Bypass(p, nil); np != nil || err != nil {
+		t.Errorf("without the Service: %v, %v; want nothing rendered", np, err)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -17,7 +18,8 @@ import (
 const MaxRedisTimeout = 5 * time.Second
 
 // validateSpec checks the parts of the spec outside the rules that the schema cannot: the
-// enforcer against its storage, resources, and Redis's timeout.
+// enforcer against its storage, resources, Redis's timeout, and the label syntax of the bypass
+// protection's sources.
 func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.ErrorList {
 	var errs field.ErrorList
 	shared := false
@@ -30,6 +32,12 @@ func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.Error
 		if st.ManagedRedis != nil {
 			shared = true
 			errs = append(errs, validateManagedRedis(st.ManagedRedis, p.Child("managedRedis"))...)
+		}
+	}
+	if b := s.TargetRef.BypassProtection; b != nil {
+		p := spec.Child("targetRef", "bypassProtection", "allowedSources")
+		for i, src := range b.AllowedSources {
+			errs = append(errs, metav1validation.ValidateLabels(src.PodLabels, p.Index(i).Child("podLabels"))...)
 		}
 	}
 	if e := s.Enforcer; e != nil {

@@ -262,11 +262,49 @@ func TestChartWhenAValueIsWrongThenHelmRefusesItNamingTheValue(t *testing.T) {
 		{[]string{"--set-json", "prometheusRule.refusedShareThreshold=2"}, "/prometheusRule/refusedShareThreshold"},
 		{[]string{"--set", "webhook.certManager.issuerRef.kind=Vault"}, "/webhook/certManager/issuerRef/kind"},
 		{[]string{"--set", "enforcer.image="}, "/enforcer/image"},
+		{[]string{"--set", "enforcer.networkPolicy.checkNamespaces={Traefik}"}, "/enforcer/networkPolicy/checkNamespaces/0"},
+		{[]string{"--set", "enforcer.networkPolicy.monitoringNamespaces={" + strings.Repeat("a", 64) + "}"}, "/enforcer/networkPolicy/monitoringNamespaces/0"},
+		{[]string{"--set", "enforcer.networkPolicy.proxyNamespaces={edge,edge}"}, "/enforcer/networkPolicy/proxyNamespaces"},
 	} {
 		_, err := runHelm(append([]string{"template", "sluice", "charts/sluice"}, c.values...)...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("helm template %v: %v; want a refusal naming %s", c.values, err, c.want)
 		}
+	}
+}
+
+// The chart's NetworkPolicy values reach the manager as its flags; a 63-character namespace, at
+// the bound, is taken.
+func TestChartWhenNetworkPolicyValuesAreSetThenTheManagerGetsThemAsFlags(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	long := strings.Repeat("a", 63)
+	for _, c := range []struct {
+		name   string
+		values []string
+		want   []string
+	}{
+		{"when nothing is set then every enforcer gets a NetworkPolicy with the release's namespace alone", nil,
+			[]string{"--enforcer-network-policy=true", "--monitoring-namespaces=", "--check-namespaces=", "--proxy-namespaces="}},
+		{"when lists are set then they are joined", []string{"--set", "enforcer.networkPolicy.monitoringNamespaces={monitoring," + long + "}",
+			"--set", "enforcer.networkPolicy.checkNamespaces={traefik,envoy-gateway-system}", "--set", "enforcer.networkPolicy.proxyNamespaces={edge}"},
+			[]string{"--monitoring-namespaces=monitoring," + long, "--check-namespaces=traefik,envoy-gateway-system", "--proxy-namespaces=edge"}},
+		{"when disabled then the manager is told so", []string{"--set", "enforcer.networkPolicy.enabled=false"}, []string{"--enforcer-network-policy=false"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var args []string
+			for _, u := range render(t, c.values...) {
+				if u.GetKind() == "Deployment" {
+					containers, _, _ := unstructured.NestedSlice(u.Object, "spec", "template", "spec", "containers")
+					a, _, _ := unstructured.NestedStringSlice(containers[0].(map[string]any), "args")
+					args = append(args, a...)
+				}
+			}
+			for _, w := range c.want {
+				if !slices.Contains(args, w) {
+					t.Errorf("manager args %q lack %q", args, w)
+				}
+			}
+		})
 	}
 }
 

@@ -51,6 +51,17 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 			notWant: []string{"reads it as environment variables"},
 		},
 		{
+			name:  "when bypass protection is explained then its consequences and needs are said",
+			field: "rlp.spec.targetRef.bypassProtection",
+			want: []string{"All other traffic to those pods on that port stops", "needs a network plugin that enforces NetworkPolicy",
+				"a numeric targetPort", "allowedSources"},
+		},
+		{
+			name:  "when the managed Redis is explained then its password, budget and what it loses are said",
+			field: "rlp.spec.storage.managedRedis",
+			want:  []string{"password that the manager generates once", "PodDisruptionBudget", "without persistence", "fail-open rules admit every request"},
+		},
+		{
 			name:  "when conditions are explained then all six types are named",
 			field: "rlp.status.conditions",
 			want:  []string{"Accepted", "Programmed", "Ready", "Degraded", "Reconciling", "Stalled"},

@@ -51,6 +51,23 @@ func NewServer(t testing.TB) *Server {
 	return s
 }
 
+// NewServerWithConfig starts a standalone Redis that reads configFile first, as redis-server
+// reads a config file named before its flags, then args; it is stopped when the test ends. A
+// server that asks for a password counts as started once it answers NOAUTH.
+func NewServerWithConfig(t testing.TB, configFile string, args ...string) *Server {
+	tier.Needs(t, "redis-server")
+	t.Helper()
+	s, err := start(false, func(s *Server) ([]string, error) {
+		rest, err := standalone(args)(s)
+		return append([]string{configFile}, rest...), err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	return s
+}
+
 // StartServer starts a standalone Redis. The caller stops it.
 func StartServer() (*Server, error) { return start(false, standalone(nil)) }
 
@@ -115,7 +132,7 @@ func (s *Server) Start() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 		err := c.Ping(ctx).Err()
 		cancel()
-		if err == nil {
+		if err == nil || strings.HasPrefix(err.Error(), "NOAUTH") {
 			return nil
 		}
 		time.Sleep(20 * time.Millisecond)
