@@ -102,9 +102,8 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(upstream)
 			pr.Out.Host = pr.In.Host
-			// Keep the chain of proxies before us, then add the peer.
-			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
-			pr.SetXForwarded()
+			peer := peerAddr(pr.In)
+			setForwarded(pr.Out.Header, pr.In.Header, peer, pr.In.Host, trusts(l, peer))
 		},
 		Transport: transport,
 		// FlushInterval 0: ReverseProxy still flushes streamed responses (unknown length,

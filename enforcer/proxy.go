@@ -140,24 +140,52 @@ func b2s(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // rewrite turns the client's request into the upstream's, as httputil.ReverseProxy's Rewrite
 // with SetURL and SetXForwarded: the upstream's scheme and address, the client's Host kept, and
-// X-Forwarded-For (the chain so far plus the peer), -Host and -Proto set. serve has removed the
-// hop-by-hop fields already, before the decision.
+// the forwarded fields set (forwarded.go): X-Forwarded-For (a trusted peer's chain plus the
+// peer), -Host, -Proto and Forwarded. serve has removed the hop-by-hop fields already, before
+// the decision.
 func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 	h := &req.Header
 	// Copies, on the stack while they are short: setting fields moves the bytes Peek points into.
-	var hostBuf, xffBuf [128]byte
+	var hostBuf, xffBuf, fwdBuf [128]byte
 	host := append(hostBuf[:0], h.Host()...)
 	if len(host) == 0 {
 		host = append(host, p.upstream.Host...) // an HTTP/1.0 client sent none
 	}
-	xff := xffBuf[:0]
-	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
-		xff = append(append(xff, prior...), ", "...)
+	peer := remoteAddr(ctx)
+	xff, fwd := xffBuf[:0], fwdBuf[:0]
+	xfh, xfp := host, []byte("http")
+	if trusts(p.limiter, peer) {
+		for _, prior := range h.PeekAll("X-Forwarded-For") {
+			xff = append(append(xff, prior...), ", "...)
+		}
+		var prior []byte
+		for i, v := range h.PeekAll("Forwarded") {
+			if i > 0 {
+				prior = append(prior, ", "...)
+			}
+			prior = append(prior, v...)
+		}
+		fh, fp, ok := forwardedFirst(b2s(prior))
+		if ok {
+			fwd = append(append(fwd, prior...), ", "...)
+		}
+		if v := h.Peek("X-Forwarded-Host"); len(v) > 0 {
+			xfh = append([]byte(nil), v...)
+		} else if fh != "" {
+			xfh = []byte(fh)
+		}
+		if v := h.Peek("X-Forwarded-Proto"); len(v) > 0 {
+			xfp = append([]byte(nil), v...)
+		} else if fp != "" {
+			xfp = []byte(fp)
+		}
 	}
-	xff = remoteAddr(ctx).AppendTo(xff)
+	xff = peer.AppendTo(xff)
+	fwd = appendForwardedElement(fwd, peer, host, "http")
 	h.SetBytesV("X-Forwarded-For", xff)
-	h.SetBytesV("X-Forwarded-Host", host)
-	h.Set("X-Forwarded-Proto", "http")
+	h.SetBytesV("X-Forwarded-Host", xfh)
+	h.SetBytesV("X-Forwarded-Proto", xfp)
+	h.SetBytesV("Forwarded", fwd)
 	if p.upstream.Path != "" && p.upstream.Path != "/" {
 		path := req.URI().PathOriginal()
 		req.URI().SetPathBytes(append([]byte(strings.TrimSuffix(p.upstream.Path, "/")), path...))
