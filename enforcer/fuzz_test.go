@@ -102,9 +102,10 @@ func fuzzServers(t testing.TB) *fuzzBed {
 		u, _ := url.Parse(up.URL)
 		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, Log: logr.Discard()},
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
-		fast := newFastProxy(b.limiter, u, logr.Discard())
+		um := newUpstreamMetrics(prometheus.NewRegistry())
+		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
 		fast.panics = e.panics
-		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second)))(b.proxy)
+		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um)))(b.proxy)
 		e.serveCheck(&check{limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
@@ -395,8 +396,9 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	chk := fresh()
 	rl := fresh()
 	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
-	fastP := newFastProxy(h1, upstream, logr.Discard())
-	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second)
+	um := newUpstreamMetrics(prometheus.NewRegistry())
+	fastP := newFastProxy(h1, upstream, fuzzUpstream, um, logr.Discard())
+	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second, um)
 	c := &check{limiter: chk}
 	r := &rls{limiter: rl}
 	passed := func(s int) int {
@@ -443,6 +445,9 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 		},
 	}
 }
+
+// fuzzUpstream are the default upstream options.
+var fuzzUpstream = upstreamOptions{connect: DefaultUpstreamConnectTimeout, responseHeader: DefaultUpstreamResponseHeaderTimeout, idle: DefaultUpstreamIdleTimeout}
 
 // FuzzForwarded holds the Forwarded parser to RFC 7239 on generated values: it never panics;
 // what it accepts keeps its first element's host and proto when the proxy appends its own
