@@ -235,6 +235,15 @@ func (c *headerDeadlineConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// SetReadDeadline keeps the header deadline while the response has not begun: fasthttp clears
+// the read deadline of a connection after writing a request on it (it sets none of its own).
+func (c *headerDeadlineConn) SetReadDeadline(t time.Time) error {
+	if t.IsZero() && c.waiting {
+		return nil
+	}
+	return c.Conn.SetReadDeadline(t)
+}
+
 // retryOnce is fasthttp's retry rule, net/http's: a request that failed before any byte of its
 // response arrived (the upstream closed a pooled connection as it was reused) is sent once more
 // on a new connection when it is idempotent and its body can be sent again. fasthttp does not
