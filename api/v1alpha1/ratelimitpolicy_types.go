@@ -92,6 +92,8 @@ type RateLimitPolicySpec struct {
 }
 
 // TargetRef names a Service port in the policy's namespace.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.tls) || (has(self.appProtocol) && self.appProtocol == 'https')",message="tls needs appProtocol https",fieldPath=".tls"
 type TargetRef struct {
 	// name is the name of the Service.
 	// +required
@@ -105,6 +107,45 @@ type TargetRef struct {
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=65535
 	Port int32 `json:"port,omitempty"`
+
+	// appProtocol is the protocol the enforcer speaks to the Service port: http (HTTP/1.1 in
+	// cleartext, the enforcer's fastest path), https (TLS, verified as tls says; HTTP/2 when the
+	// port offers it by ALPN, else HTTP/1.1) or h2c (cleartext HTTP/2 with prior knowledge, as
+	// gRPC servers speak it). Absent means http.
+	// +optional
+	AppProtocol AppProtocol `json:"appProtocol,omitempty"`
+
+	// tls verifies the Service's certificate when appProtocol is https. Absent means the system
+	// roots and the Service's DNS name, NAME.NAMESPACE.svc.
+	// +optional
+	TLS *TargetTLS `json:"tls,omitempty"`
+}
+
+// AppProtocol is the protocol of the hop from the enforcer to the Service.
+// +kubebuilder:validation:Enum=http;https;h2c
+type AppProtocol string
+
+// The protocols of the hop to the Service.
+const (
+	AppProtocolHTTP  AppProtocol = "http"
+	AppProtocolHTTPS AppProtocol = "https"
+	AppProtocolH2C   AppProtocol = "h2c"
+)
+
+// TargetTLS is how the enforcer verifies an https Service.
+type TargetTLS struct {
+	// caSecretRef names a Secret key, in the policy's namespace, holding the PEM CA bundle that
+	// signs the Service's certificate; the Secret is mounted into the enforcer pods. Absent means
+	// the system roots.
+	// +optional
+	CASecretRef *SecretKeyRef `json:"caSecretRef,omitempty"`
+
+	// serverName is the name to verify in the Service's certificate, and the SNI the enforcer
+	// sends. Absent means the Service's DNS name, NAME.NAMESPACE.svc.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	ServerName string `json:"serverName,omitempty"`
 }
 
 // Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.
