@@ -220,17 +220,18 @@ func isQuotedPairChar(c byte) bool { return c == '\t' || c == ' ' || (c > 0x20 &
 
 // isScheme reports whether s is a URI scheme (RFC 3986, 3.1).
 func isScheme(s string) bool {
-	if s == "" || !(s[0] >= 'a' && s[0] <= 'z' || s[0] >= 'A' && s[0] <= 'Z') {
+	if s == "" || !isAlpha(s[0]) {
 		return false
 	}
 	for i := 1; i < len(s); i++ {
-		c := s[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '+' || c == '-' || c == '.') {
+		if c := s[i]; !isAlpha(c) && (c < '0' || c > '9') && c != '+' && c != '-' && c != '.' {
 			return false
 		}
 	}
 	return true
 }
+
+func isAlpha(c byte) bool { return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' }
 
 // setForwarded sets the forwarded fields of a request the net/http proxy sends on, as the
 // fasthttp proxy's rewrite does: out is the outgoing header, in the incoming one, host the Host

@@ -199,7 +199,7 @@ type armAtEOF struct {
 
 func (a *armAtEOF) Read(p []byte) (int, error) {
 	n, err := a.ReadCloser.Read(p)
-	if err == io.EOF { //nolint:errorlint // io.Reader's contract: EOF itself
+	if err == io.EOF {
 		a.w.arm()
 	}
 	return n, err
