@@ -94,6 +94,7 @@ type programmed struct {
 	uid                                           types.UID
 	generation                                    int64
 	defaults                                      render.Defaults
+	appProtocol                                   v1alpha1.AppProtocol // the spec's, or else the Service port's
 	revision, service, image, storage, deployment string
 	replicas                                      int32
 	objects                                       []objectKey
@@ -102,7 +103,7 @@ type programmed struct {
 // remember records what applying objs for p established.
 func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects) *programmed {
 	prog := &programmed{
-		uid: p.UID, generation: p.Generation, defaults: r.Defaults,
+		uid: p.UID, generation: p.Generation, defaults: r.Defaults, appProtocol: p.Spec.TargetRef.AppProtocol,
 		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
 		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
 	}
@@ -123,7 +124,7 @@ func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.Rat
 		return nil
 	}
 	prog := v.(*programmed)
-	if prog.uid != p.UID || prog.generation != p.Generation || prog.defaults != r.Defaults {
+	if prog.uid != p.UID || prog.generation != p.Generation || prog.defaults != r.Defaults || prog.appProtocol != p.Spec.TargetRef.AppProtocol {
 		return nil
 	}
 	for _, o := range prog.objects {

@@ -137,18 +137,26 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, nil
 	}
 
+	target := &corev1.Service{}
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	obs.targetMissing = apierrors.IsNotFound(err)
+	if err := client.IgnoreNotFound(err); err != nil {
+		return ctrl.Result{}, failed(errRead, err)
+	}
+	rendered := withServiceProtocol(p, target)
+
 	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
 	// nor compares them again.
-	prog := r.current(ctx, p)
+	prog := r.current(ctx, rendered)
 	if prog == nil {
-		objs, err := render.Enforcer(p, r.Defaults)
+		objs, err := render.Enforcer(rendered, r.Defaults)
 		if err != nil {
 			return ctrl.Result{}, failed(errRender, err)
 		}
 		if err := r.apply(ctx, p, objs); err != nil {
 			return applyFailed(err, &obs)
 		}
-		prog = r.remember(p, objs)
+		prog = r.remember(rendered, objs)
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
@@ -161,12 +169,6 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		return ctrl.Result{}, failed(errRead, err)
 	}
 	obs.deployment = dep
-	target := &corev1.Service{}
-	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
-	obs.targetMissing = apierrors.IsNotFound(err)
-	if err := client.IgnoreNotFound(err); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
 	if err := r.readReports(ctx, p, &obs); err != nil {
 		return ctrl.Result{}, failed(errRead, err)
 	}
@@ -444,4 +446,33 @@ func CacheByObject() map[client.Object]cache.ByObject {
 	return map[client.Object]cache.ByObject{
 		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue})},
 	}
+}
+
+// withServiceProtocol is the policy to render: when its targetRef names no appProtocol, the
+// target Service port's appProtocol, as Gateway API implementations read it, if it is one the
+// enforcer speaks (kubernetes.io/h2c is h2c; kubernetes.io/ws and wss are http and https).
+func withServiceProtocol(p *v1alpha1.RateLimitPolicy, svc *corev1.Service) *v1alpha1.RateLimitPolicy {
+	if p.Spec.TargetRef.AppProtocol != "" {
+		return p
+	}
+	for _, port := range svc.Spec.Ports {
+		if port.Port != p.Spec.TargetRef.Port || port.AppProtocol == nil {
+			continue
+		}
+		var proto v1alpha1.AppProtocol
+		switch strings.ToLower(*port.AppProtocol) {
+		case "http", "kubernetes.io/ws":
+			proto = v1alpha1.AppProtocolHTTP
+		case "https", "kubernetes.io/wss":
+			proto = v1alpha1.AppProtocolHTTPS
+		case "h2c", "kubernetes.io/h2c":
+			proto = v1alpha1.AppProtocolH2C
+		default:
+			return p // a protocol the enforcer does not speak: http, as without one
+		}
+		c := p.DeepCopy()
+		c.Spec.TargetRef.AppProtocol = proto
+		return c
+	}
+	return p
 }

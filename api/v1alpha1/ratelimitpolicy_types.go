@@ -93,7 +93,7 @@ type RateLimitPolicySpec struct {
 
 // TargetRef names a Service port in the policy's namespace.
 //
-// +kubebuilder:validation:XValidation:rule="!has(self.tls) || (has(self.appProtocol) && self.appProtocol == 'https')",message="tls needs appProtocol https",fieldPath=".tls"
+// +kubebuilder:validation:XValidation:rule="!has(self.tls) || !has(self.appProtocol) || self.appProtocol == 'https'",message="tls needs appProtocol https, here or on the Service port",fieldPath=".tls"
 type TargetRef struct {
 	// name is the name of the Service.
 	// +required
@@ -111,12 +111,15 @@ type TargetRef struct {
 	// appProtocol is the protocol the enforcer speaks to the Service port: http (HTTP/1.1 in
 	// cleartext, the enforcer's fastest path), https (TLS, verified as tls says; HTTP/2 when the
 	// port offers it by ALPN, else HTTP/1.1) or h2c (cleartext HTTP/2 with prior knowledge, as
-	// gRPC servers speak it). Absent means http.
+	// gRPC servers speak it). Absent means the Service port's appProtocol, as Gateway API
+	// implementations read it (http, https, h2c, kubernetes.io/h2c, kubernetes.io/ws or
+	// kubernetes.io/wss), and else http.
 	// +optional
 	AppProtocol AppProtocol `json:"appProtocol,omitempty"`
 
-	// tls verifies the Service's certificate when appProtocol is https. Absent means the system
-	// roots and the Service's DNS name, NAME.NAMESPACE.svc.
+	// tls verifies the Service's certificate when the protocol is https (here or on the Service
+	// port), and is ignored otherwise. Absent means the system roots and the Service's DNS name,
+	// NAME.NAMESPACE.svc.
 	// +optional
 	TLS *TargetTLS `json:"tls,omitempty"`
 }

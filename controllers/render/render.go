@@ -280,7 +280,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	}
 	var volumes []corev1.Volume
 	mounts := []corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}
-	if t := p.Spec.TargetRef.TLS; t != nil {
+	if t := p.Spec.TargetRef.TLS; t != nil && p.Spec.TargetRef.AppProtocol == v1alpha1.AppProtocolHTTPS {
 		if t.ServerName != "" {
 			args = append(args, "--upstream-server-name="+t.ServerName)
 		}

@@ -47,7 +47,7 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 		{
 			name:  "when the target's appProtocol is explained then each protocol and the default are named",
 			field: "rlp.spec.targetRef.appProtocol",
-			want:  []string{"http (HTTP/1.1 in cleartext", "https (TLS", "HTTP/2 when the port offers it by ALPN", "h2c (cleartext HTTP/2 with prior knowledge", "Absent means http"},
+			want:  []string{"http (HTTP/1.1 in cleartext", "https (TLS", "HTTP/2 when the port offers it by ALPN", "h2c (cleartext HTTP/2 with prior knowledge", "Absent means the Service port's appProtocol", "and else http"},
 		},
 		{
 			name:  "when the target's TLS is explained then the CA Secret is mounted and the default name is the Service's",
