@@ -107,6 +107,7 @@ type programmed struct {
 	uid                                           types.UID
 	generation                                    int64
 	defaults                                      render.Defaults
+	appProtocol                                   v1alpha1.AppProtocol // the spec's, or else the Service port's
 	revision, service, image, storage, deployment string
 	replicas                                      int32
 	objects                                       []objectKey
@@ -118,7 +119,7 @@ type programmed struct {
 // remember records what applying objs for p established.
 func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects, target *corev1.Service) *programmed {
 	prog := &programmed{
-		uid: p.UID, generation: p.Generation, defaults: cloneDefaults(r.Defaults),
+		uid: p.UID, generation: p.Generation, defaults: cloneDefaults(r.Defaults), appProtocol: p.Spec.TargetRef.AppProtocol,
 		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
 		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
 		target: bypassTarget(p, target),
@@ -167,7 +168,7 @@ func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.Rat
 	}
 	prog := v.(*programmed)
 	if prog.uid != p.UID || prog.generation != p.Generation || !equality.Semantic.DeepEqual(prog.defaults, r.Defaults) ||
-		prog.target != bypassTarget(p, target) {
+		prog.target != bypassTarget(p, target) || prog.appProtocol != p.Spec.TargetRef.AppProtocol {
 		return nil
 	}
 	for _, o := range prog.objects {

@@ -153,12 +153,13 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if obs.targetMissing {
 		target = nil
 	}
+	rendered := withServiceProtocol(p, target)
 
 	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
 	// nor compares them again.
-	prog := r.current(ctx, p, target)
+	prog := r.current(ctx, rendered, target)
 	if prog == nil {
-		objs, err := render.Enforcer(p, r.Defaults)
+		objs, err := render.Enforcer(rendered, r.Defaults)
 		if err != nil {
 			return ctrl.Result{}, failed(errRender, err)
 		}
@@ -174,7 +175,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		if err := r.apply(ctx, p, objs); err != nil {
 			return applyFailed(err, &obs)
 		}
-		prog = r.remember(p, objs, target)
+		prog = r.remember(rendered, objs, target)
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
@@ -511,4 +512,33 @@ func (r *RateLimitPolicyReconciler) redisPassword(ctx context.Context, p *v1alph
 		return fmt.Errorf("create Secret %s: %w", key.Name, err)
 	}
 	return nil
+}
+
+// withServiceProtocol is the policy to render: when its targetRef names no appProtocol, the
+// target Service port's appProtocol, as Gateway API implementations read it, if it is one the
+// enforcer speaks (kubernetes.io/h2c is h2c; kubernetes.io/ws and wss are http and https).
+func withServiceProtocol(p *v1alpha1.RateLimitPolicy, svc *corev1.Service) *v1alpha1.RateLimitPolicy {
+	if p.Spec.TargetRef.AppProtocol != "" || svc == nil {
+		return p
+	}
+	for _, port := range svc.Spec.Ports {
+		if port.Port != p.Spec.TargetRef.Port || port.AppProtocol == nil {
+			continue
+		}
+		var proto v1alpha1.AppProtocol
+		switch strings.ToLower(*port.AppProtocol) {
+		case "http", "kubernetes.io/ws":
+			proto = v1alpha1.AppProtocolHTTP
+		case "https", "kubernetes.io/wss":
+			proto = v1alpha1.AppProtocolHTTPS
+		case "h2c", "kubernetes.io/h2c":
+			proto = v1alpha1.AppProtocolH2C
+		default:
+			return p // a protocol the enforcer does not speak: http, as without one
+		}
+		c := p.DeepCopy()
+		c.Spec.TargetRef.AppProtocol = proto
+		return c
+	}
+	return p
 }

@@ -731,9 +731,10 @@ func TestProxyWhenUpstreamStreamsThenChunksArriveAsWrittenWithForwardedHeaders(t
 	}))
 	defer stream.Close()
 	defer close(release)
+	// The test client is the proxy in front, whose chain is kept (forwarded_test.go).
 	e := start(t, policyDoc("stream", `    - name: any
       fixedWindow: {limit: 100, window: 1h}
-`), &upstream{Server: stream}, nil)
+`, "  trustedProxies: [\"127.0.0.0/8\"]\n"), &upstream{Server: stream}, nil)
 	req, _ := http.NewRequest(http.MethodGet, e.proxy+"/", nil)
 	req.Header.Set("X-Forwarded-For", "198.51.100.9")
 	resp, err := client.Do(req)

@@ -102,9 +102,10 @@ func fuzzServers(t testing.TB) *fuzzBed {
 		u, _ := url.Parse(up.URL)
 		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, Log: logr.Discard()},
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
-		fast := newFastProxy(b.limiter, u, logr.Discard())
+		um := newUpstreamMetrics(prometheus.NewRegistry())
+		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
 		fast.panics = e.panics
-		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second)))(b.proxy)
+		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um)))(b.proxy)
 		e.serveCheck(&check{limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
@@ -395,8 +396,9 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	chk := fresh()
 	rl := fresh()
 	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
-	fastP := newFastProxy(h1, upstream, logr.Discard())
-	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second)
+	um := newUpstreamMetrics(prometheus.NewRegistry())
+	fastP := newFastProxy(h1, upstream, fuzzUpstream, um, logr.Discard())
+	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second, um)
 	c := &check{limiter: chk}
 	r := &rls{limiter: rl}
 	passed := func(s int) int {
@@ -442,4 +444,43 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 			return http.StatusOK
 		},
 	}
+}
+
+// fuzzUpstream are the default upstream options.
+var fuzzUpstream = upstreamOptions{connect: DefaultUpstreamConnectTimeout, responseHeader: DefaultUpstreamResponseHeaderTimeout, idle: DefaultUpstreamIdleTimeout}
+
+// FuzzForwarded holds the Forwarded parser to RFC 7239 on generated values: it never panics;
+// what it accepts keeps its first element's host and proto when the proxy appends its own
+// element; and a host it returns, quoted by the proxy, reads back as itself.
+func FuzzForwarded(f *testing.F) {
+	for _, s := range []string{`for=192.0.2.60;proto=http;by=203.0.113.43`, `for="[2001:db8:cafe::17]:4711"`,
+		`for=192.0.2.43, for=198.51.100.17;host="a\"b"`, `proto=https;proto=http`, `host=`, `;;, ,for=x`, `for="\`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		host, proto, ok := forwardedFirst(v)
+		if !ok {
+			if host != "" || proto != "" {
+				t.Fatalf("refused %q but returned host %q proto %q", v, host, proto)
+			}
+			return
+		}
+		if proto != "" && !isScheme(proto) {
+			t.Fatalf("%q: proto %q is not a scheme", v, proto)
+		}
+		peer := netip.MustParseAddr("2001:db8::1")
+		joined := string(appendForwardedElement([]byte(v+", "), peer, []byte("h"), "http"))
+		if len(joined) <= maxForwardedBytes {
+			h2, p2, ok2 := forwardedFirst(joined)
+			if !ok2 || h2 != host || p2 != proto {
+				t.Fatalf("%q with the proxy's element appended read as %q %q %v, want %q %q", v, h2, p2, ok2, host, proto)
+			}
+		}
+		if host != "" && !strings.ContainsAny(host, "\x00\r\n\x7f") {
+			own := string(appendForwardedElement(nil, peer, []byte(host), "http"))
+			if h3, p3, ok3 := forwardedFirst(own); len(own) <= maxForwardedBytes && (!ok3 || h3 != host || p3 != "http") {
+				t.Fatalf("the proxy's element %q for host %q read back as %q %q %v", own, host, h3, p3, ok3)
+			}
+		}
+	})
 }

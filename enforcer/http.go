@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -42,6 +43,18 @@ type problem struct {
 // request that can never pass (its cost is over the rule's capacity) gets no Retry-After: no
 // time would let it through.
 func refusal(set func(name, value string), res *limiter.Result) (status int, body []byte) {
+	p := describe(res)
+	if p.RetryAfter > 0 {
+		set("Retry-After", strconv.FormatInt(p.RetryAfter, 10))
+	}
+	set("Content-Type", "application/problem+json")
+	set("Cache-Control", "no-store")
+	body, _ = json.Marshal(p) // strings and integers: cannot fail
+	return p.Status, append(body, '\n')
+}
+
+// describe is the problem that describes a refused request.
+func describe(res *limiter.Result) problem {
 	retry := max(1, policy.Seconds(res.RetryAfter))
 	p := problem{Policy: res.Policy, RetryAfter: retry}
 	if res.Rule != nil {
@@ -58,13 +71,7 @@ func refusal(set func(name, value string), res *limiter.Result) (status int, bod
 		p.Type, p.Title, p.Status = "https://sluice.dev/problems/rate-limited", "Too Many Requests", http.StatusTooManyRequests
 		p.Detail = "rate limit " + strconv.Quote(p.Rule) + " exceeded; retry after " + strconv.FormatInt(retry, 10) + "s"
 	}
-	if p.RetryAfter > 0 {
-		set("Retry-After", strconv.FormatInt(retry, 10))
-	}
-	set("Content-Type", "application/problem+json")
-	set("Cache-Control", "no-store")
-	body, _ = json.Marshal(p) // strings and integers: cannot fail
-	return p.Status, append(body, '\n')
+	return p
 }
 
 // malformed describes a request that cannot be decided as sent (400, 414): nothing was charged.
@@ -97,14 +104,14 @@ type proxy struct {
 	writeTimeout time.Duration
 }
 
-func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper, writeTimeout time.Duration) *proxy {
+func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper, writeTimeout time.Duration, m *upstreamMetrics) *proxy {
+	upstream = upstreamURL(upstream)
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(upstream)
 			pr.Out.Host = pr.In.Host
-			// Keep the chain of proxies before us, then add the peer.
-			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
-			pr.SetXForwarded()
+			peer := peerAddr(pr.In)
+			setForwarded(pr.Out.Header, pr.In.Header, peer, pr.In.Host, trusts(l, peer))
 		},
 		Transport: transport,
 		// FlushInterval 0: ReverseProxy still flushes streamed responses (unknown length,
@@ -113,8 +120,16 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 		FlushInterval: 0,
 		// Without a pool, every response allocates a fresh 32 KiB copy buffer.
 		BufferPool: &bufferPool{},
-		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, _ error) {
-			w.WriteHeader(http.StatusBadGateway)
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if r.Context().Err() != nil {
+				return // the client left: nobody reads an answer, and the upstream did not fail
+			}
+			status := m.failed(err)
+			if isGRPC(r.Header) {
+				writeGRPCStatus(w.Header(), grpcCode(status), http.StatusText(status)+": "+abbreviate(err.Error()))
+				status = http.StatusOK
+			}
+			w.WriteHeader(status)
 		},
 	}
 	return &proxy{limiter: l, rp: rp, writeTimeout: writeTimeout}
@@ -161,8 +176,25 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusMethodNotAllowed) // a tunnel, whose traffic nothing would decide
 		return
 	}
+	if r.ProtoMajor == 1 {
+		if up := upgradeOf(r.Header); up != "" && !strings.EqualFold(up, "websocket") {
+			// As the fasthttp proxy: only WebSocket is spliced.
+			h.Set("Connection", "close")
+			body := malformed(h.Set, http.StatusBadRequest, "upgrade to "+strconv.Quote(abbreviate(up))+" refused: only websocket is proxied; speak HTTP/2 with prior knowledge")
+			w.WriteHeader(http.StatusBadRequest)
+			_, _ = w.Write(body)
+			return
+		}
+		// Decided on what the upstream will read, as the fasthttp proxy does.
+		removeConnectionNamed(r.Header)
+	}
 	// RequestURI is the target as received (HTTP/2's :path), before net/http's own reading.
 	v := decide(p.limiter, &input{method: r.Method, target: r.RequestURI, header: r.Header, peer: peerAddr(r)})
+	if v.status != http.StatusOK && isGRPC(r.Header) {
+		v.writeGRPC(h)
+		w.WriteHeader(http.StatusOK)
+		return
+	}
 	if body := v.write(h.Set); v.status != http.StatusOK {
 		w.WriteHeader(v.status)
 		_, _ = w.Write(body)
@@ -175,4 +207,28 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w = &progressWriter{ResponseWriter: w, conn: c, timeout: p.writeTimeout}
 	}
 	p.rp.ServeHTTP(w, r)
+}
+
+// upgradeOf is the protocol a request asks to switch to, "" if none.
+func upgradeOf(h http.Header) string {
+	for _, v := range h.Values("Connection") {
+		for f := range strings.SplitSeq(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(f), "upgrade") {
+				return h.Get("Upgrade")
+			}
+		}
+	}
+	return ""
+}
+
+// removeConnectionNamed removes the fields a request's Connection names, but Upgrade, which
+// ReverseProxy reads to splice a WebSocket; it removes the hop-by-hop fields itself.
+func removeConnectionNamed(h http.Header) {
+	for _, v := range h.Values("Connection") {
+		for f := range strings.SplitSeq(v, ",") {
+			if f = strings.TrimSpace(f); f != "" && !strings.EqualFold(f, "upgrade") && !strings.EqualFold(f, "close") && !strings.EqualFold(f, "keep-alive") {
+				h.Del(f)
+			}
+		}
+	}
 }

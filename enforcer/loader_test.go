@@ -109,3 +109,20 @@ func TestLoadWhenAFileHoldsOtherKindsOrAStorageThenTheyAreSkippedWithAWarning(t 
 		}
 	}
 }
+
+// The target's TLS server name is taken at 253 bytes, its bound, as the schema says; one more
+// is refused (test/testdata/invalid/target-server-name-over-253.yaml).
+func TestLoadWhenTheTargetServerNameIsAtItsBoundThenAccepted(t *testing.T) {
+	doc := `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: edge, namespace: test}
+spec:
+  targetRef: {name: api, port: 443, appProtocol: https, tls: {serverName: ` + strings.Repeat("a", 253) + `, caSecretRef: {name: ca, key: ca.crt}}}
+  rules:
+    - name: a
+      fixedWindow: {limit: 10, window: 1s}
+`
+	if _, _, err := enforcer.Load([]byte(doc)); err != nil {
+		t.Fatalf("a 253-byte server name: %v, want it accepted", err)
+	}
+}

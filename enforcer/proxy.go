@@ -35,33 +35,40 @@ type fastProxy struct {
 	log         logr.Logger
 	// panics contains those of an upgraded connection's splice, which runs beside the server.
 	panics *panics
+	// headerTimeout bounds the wait for an upgraded request's response, as the pool's
+	// connections bound every other's; metrics counts the upstream's failures.
+	headerTimeout time.Duration
+	metrics       *upstreamMetrics
 }
 
-func newFastProxy(l *limiter.Limiter, upstream *url.URL, log logr.Logger) *fastProxy {
+func newFastProxy(l *limiter.Limiter, upstream *url.URL, o upstreamOptions, m *upstreamMetrics, log logr.Logger) *fastProxy {
 	tlsUp := upstream.Scheme == "https"
 	addr := upstream.Host
 	if upstream.Port() == "" {
 		addr = net.JoinHostPort(upstream.Hostname(), map[bool]string{true: "443", false: "80"}[tlsUp])
 	}
-	p := &fastProxy{limiter: l, upstream: upstream, log: log}
+	p := &fastProxy{limiter: l, upstream: upstream, log: log, headerTimeout: o.responseHeader, metrics: m}
+	d := &net.Dialer{Timeout: o.connect, KeepAlive: 30 * time.Second}
 	p.client = &fasthttp.HostClient{
 		Addr:  addr,
 		IsTLS: tlsUp,
 		// As many connections as requests in flight: a proxy must not queue behind its pool.
 		MaxConns:            1 << 16,
-		MaxIdleConnDuration: 90 * time.Second,
+		MaxIdleConnDuration: o.idle,
 		// Streamed both ways: a response is relayed as the upstream writes it.
 		StreamResponseBody:            true,
 		DisablePathNormalizing:        true,
 		DisableHeaderNamesNormalizing: true,
 		NoDefaultUserAgentHeader:      true,
 		Dial: func(addr string) (net.Conn, error) {
-			return (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).Dial("tcp", addr)
+			c, err := d.Dial("tcp", addr)
+			if err != nil || o.responseHeader <= 0 {
+				return c, err
+			}
+			return &headerDeadlineConn{Conn: c, timeout: o.responseHeader}, nil
 		},
-		// A request is sent once: a retry after an error could run a request twice upstream.
-		RetryIfErr: func(*fasthttp.Request, int, error) (bool, bool) { return false, false },
+		RetryIfErr: retryOnce,
 	}
-	d := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
 	p.dialUpgrade = func(ctx context.Context) (net.Conn, error) {
 		if tlsUp {
 			return (&tls.Dialer{NetDialer: d, Config: &tls.Config{ServerName: upstream.Hostname(), MinVersion: tls.VersionTLS12}}).DialContext(ctx, "tcp", addr)
@@ -118,7 +125,7 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	}
 	if err := p.client.Do(req, &ctx.Response); err != nil {
 		ctx.Response.Reset()
-		ctx.SetStatusCode(http.StatusBadGateway)
+		ctx.SetStatusCode(p.metrics.failed(err))
 		p.log.V(1).Info("Upstream request failed", "error", err.Error())
 	}
 	removeHopHeaders(&ctx.Response.Header)
@@ -140,24 +147,52 @@ func b2s(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // rewrite turns the client's request into the upstream's, as httputil.ReverseProxy's Rewrite
 // with SetURL and SetXForwarded: the upstream's scheme and address, the client's Host kept, and
-// X-Forwarded-For (the chain so far plus the peer), -Host and -Proto set. serve has removed the
-// hop-by-hop fields already, before the decision.
+// the forwarded fields set (forwarded.go): X-Forwarded-For (a trusted peer's chain plus the
+// peer), -Host, -Proto and Forwarded. serve has removed the hop-by-hop fields already, before
+// the decision.
 func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 	h := &req.Header
 	// Copies, on the stack while they are short: setting fields moves the bytes Peek points into.
-	var hostBuf, xffBuf [128]byte
+	var hostBuf, xffBuf, fwdBuf [128]byte
 	host := append(hostBuf[:0], h.Host()...)
 	if len(host) == 0 {
 		host = append(host, p.upstream.Host...) // an HTTP/1.0 client sent none
 	}
-	xff := xffBuf[:0]
-	if prior := h.Peek("X-Forwarded-For"); len(prior) > 0 {
-		xff = append(append(xff, prior...), ", "...)
+	peer := remoteAddr(ctx)
+	xff, fwd := xffBuf[:0], fwdBuf[:0]
+	xfh, xfp := host, []byte("http")
+	if trusts(p.limiter, peer) {
+		for _, prior := range h.PeekAll("X-Forwarded-For") {
+			xff = append(append(xff, prior...), ", "...)
+		}
+		var prior []byte
+		for i, v := range h.PeekAll("Forwarded") {
+			if i > 0 {
+				prior = append(prior, ", "...)
+			}
+			prior = append(prior, v...)
+		}
+		fh, fp, ok := forwardedFirst(b2s(prior))
+		if ok {
+			fwd = append(append(fwd, prior...), ", "...)
+		}
+		if v := h.Peek("X-Forwarded-Host"); len(v) > 0 {
+			xfh = append([]byte(nil), v...)
+		} else if fh != "" {
+			xfh = []byte(fh)
+		}
+		if v := h.Peek("X-Forwarded-Proto"); len(v) > 0 {
+			xfp = append([]byte(nil), v...)
+		} else if fp != "" {
+			xfp = []byte(fp)
+		}
 	}
-	xff = remoteAddr(ctx).AppendTo(xff)
+	xff = peer.AppendTo(xff)
+	fwd = appendForwardedElement(fwd, peer, host, "http")
 	h.SetBytesV("X-Forwarded-For", xff)
-	h.SetBytesV("X-Forwarded-Host", host)
-	h.Set("X-Forwarded-Proto", "http")
+	h.SetBytesV("X-Forwarded-Host", xfh)
+	h.SetBytesV("X-Forwarded-Proto", xfp)
+	h.SetBytesV("Forwarded", fwd)
 	if p.upstream.Path != "" && p.upstream.Path != "/" {
 		path := req.URI().PathOriginal()
 		req.URI().SetPathBytes(append([]byte(strings.TrimSuffix(p.upstream.Path, "/")), path...))
@@ -218,7 +253,7 @@ func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
 	defer cancel()
 	up, err := p.dialUpgrade(dctx)
 	if err != nil {
-		ctx.SetStatusCode(http.StatusBadGateway)
+		ctx.SetStatusCode(p.metrics.failed(err))
 		return
 	}
 	req := &ctx.Request
@@ -238,10 +273,17 @@ func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
 		defer p.panics.goroutine("proxy")
 		defer func() { _ = up.Close() }()
 		br := bufio.NewReader(up)
+		if p.headerTimeout > 0 {
+			_ = up.SetReadDeadline(time.Now().Add(p.headerTimeout))
+		}
 		resp, err := http.ReadResponse(br, nil)
 		if err != nil {
+			if status := p.metrics.failed(err); status == http.StatusGatewayTimeout {
+				_, _ = io.WriteString(client, "HTTP/1.1 504 Gateway Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+			}
 			return
 		}
+		_ = up.SetReadDeadline(time.Time{}) // the upgraded connection may idle any time
 		defer func() { _ = resp.Body.Close() }()
 		if resp.StatusCode != http.StatusSwitchingProtocols {
 			resp.Close = true

@@ -2,6 +2,7 @@ package enforcer
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -67,6 +68,16 @@ type Config struct {
 	// is answered 503 or 429 and closed as it is accepted. The admin listener has bounds of its
 	// own. Defaults DefaultMaxConns and DefaultMaxConnsPerClient.
 	MaxConns, MaxConnsPerClient int
+	// UpstreamTLS is the client TLS of an https upstream: its roots, the name its certificate
+	// must hold, and a client certificate. Nil trusts the system roots and names the URL's host.
+	UpstreamTLS *tls.Config
+	// UpstreamConnectTimeout bounds a connection to the upstream (and its TLS handshake);
+	// UpstreamResponseHeaderTimeout the wait for a response header once the request is sent,
+	// which neither a streamed body nor an upgraded connection counts against, nor a gRPC call;
+	// UpstreamIdleTimeout how long an idle pooled connection is kept. Defaults
+	// DefaultUpstreamConnectTimeout, DefaultUpstreamResponseHeaderTimeout and
+	// DefaultUpstreamIdleTimeout. A timed-out upstream is answered 504.
+	UpstreamConnectTimeout, UpstreamResponseHeaderTimeout, UpstreamIdleTimeout time.Duration
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
 	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
@@ -136,6 +147,15 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if cfg.WriteTimeout <= 0 {
 		cfg.WriteTimeout = DefaultWriteTimeout
 	}
+	if cfg.UpstreamConnectTimeout <= 0 {
+		cfg.UpstreamConnectTimeout = DefaultUpstreamConnectTimeout
+	}
+	if cfg.UpstreamResponseHeaderTimeout <= 0 {
+		cfg.UpstreamResponseHeaderTimeout = DefaultUpstreamResponseHeaderTimeout
+	}
+	if cfg.UpstreamIdleTimeout <= 0 {
+		cfg.UpstreamIdleTimeout = DefaultUpstreamIdleTimeout
+	}
 	if cfg.MaxConns <= 0 {
 		cfg.MaxConns = DefaultMaxConns
 	}
@@ -204,20 +224,19 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		admin.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	}
 
-	var transport http.RoundTripper = &http.Transport{
-		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:          4096,
-		MaxIdleConnsPerHost:   4096,
-		IdleConnTimeout:       90 * time.Second,
-		TLSHandshakeTimeout:   10 * time.Second,
-		ExpectContinueTimeout: time.Second,
-		ForceAttemptHTTP2:     true,
-	}
 	var serveProxy func(net.Listener) func(context.Context) error
 	if cfg.Upstream != nil {
-		fast := newFastProxy(e.limiter, cfg.Upstream, cfg.Log)
-		fast.panics = e.panics
-		serveProxy = e.serveProxy(fast, e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, transport, cfg.WriteTimeout)))
+		um := newUpstreamMetrics(reg)
+		o := upstreamOptions{tls: cfg.UpstreamTLS, connect: cfg.UpstreamConnectTimeout, responseHeader: cfg.UpstreamResponseHeaderTimeout, idle: cfg.UpstreamIdleTimeout}
+		h2 := e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, newTransport(cfg.Upstream, o), cfg.WriteTimeout, um))
+		if cfg.Upstream.Scheme == "http" {
+			fast := newFastProxy(e.limiter, cfg.Upstream, o, um, cfg.Log)
+			fast.panics = e.panics
+			serveProxy = e.serveProxy(fast, h2)
+		} else {
+			// TLS and HTTP/2 upstreams: net/http serves both HTTP/1.1 and h2c clients.
+			serveProxy = e.serveHTTP(h2)
+		}
 	}
 	servers := []struct {
 		name   string

@@ -92,6 +92,8 @@ type RateLimitPolicySpec struct {
 }
 
 // TargetRef names a Service port in the policy's namespace.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.tls) || !has(self.appProtocol) || self.appProtocol == 'https'",message="tls needs appProtocol https, here or on the Service port",fieldPath=".tls"
 type TargetRef struct {
 	// name is the name of the Service.
 	// +required
@@ -115,6 +117,21 @@ type TargetRef struct {
 	// Absent: the target stays reachable beside the enforcer.
 	// +optional
 	BypassProtection *BypassProtection `json:"bypassProtection,omitempty"`
+
+	// appProtocol is the protocol the enforcer speaks to the Service port: http (HTTP/1.1 in
+	// cleartext, the enforcer's fastest path), https (TLS, verified as tls says; HTTP/2 when the
+	// port offers it by ALPN, else HTTP/1.1) or h2c (cleartext HTTP/2 with prior knowledge, as
+	// gRPC servers speak it). Absent means the Service port's appProtocol, as Gateway API
+	// implementations read it (http, https, h2c, kubernetes.io/h2c, kubernetes.io/ws or
+	// kubernetes.io/wss), and else http.
+	// +optional
+	AppProtocol AppProtocol `json:"appProtocol,omitempty"`
+
+	// tls verifies the Service's certificate when the protocol is https (here or on the Service
+	// port), and is ignored otherwise. Absent means the system roots and the Service's DNS name,
+	// NAME.NAMESPACE.svc.
+	// +optional
+	TLS *TargetTLS `json:"tls,omitempty"`
 }
 
 // BypassProtection lists who, besides the enforcer, may still reach the target's pods directly.
@@ -152,6 +169,33 @@ type BypassSource struct {
 	// pod selector can name.
 	// +optional
 	CIDR CIDR `json:"cidr,omitempty"`
+}
+
+// AppProtocol is the protocol of the hop from the enforcer to the Service.
+// +kubebuilder:validation:Enum=http;https;h2c
+type AppProtocol string
+
+// The protocols of the hop to the Service.
+const (
+	AppProtocolHTTP  AppProtocol = "http"
+	AppProtocolHTTPS AppProtocol = "https"
+	AppProtocolH2C   AppProtocol = "h2c"
+)
+
+// TargetTLS is how the enforcer verifies an https Service.
+type TargetTLS struct {
+	// caSecretRef names a Secret key, in the policy's namespace, holding the PEM CA bundle that
+	// signs the Service's certificate; the Secret is mounted into the enforcer pods. Absent means
+	// the system roots.
+	// +optional
+	CASecretRef *SecretKeyRef `json:"caSecretRef,omitempty"`
+
+	// serverName is the name to verify in the Service's certificate, and the SNI the enforcer
+	// sends. Absent means the Service's DNS name, NAME.NAMESPACE.svc.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	ServerName string `json:"serverName,omitempty"`
 }
 
 // Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.

@@ -25,6 +25,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -76,9 +77,17 @@ func parse(args []string) (enforcer.Config, error) {
 		usernameFile, passwordFile            string
 		logLevel                              string
 		showVersion                           bool
+		upCA, upServerName, upCert, upKey     string
 	)
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
-	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass, such as http://127.0.0.1:3000.")
+	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass: http://HOST:PORT (HTTP/1.1), https://HOST:PORT (TLS; HTTP/2 when the upstream offers it by ALPN) or h2c://HOST:PORT (cleartext HTTP/2, as gRPC servers speak it).")
+	fs.StringVar(&upCA, "upstream-ca-file", "", "PEM CA bundle that signs an https upstream's certificate; default the system roots.")
+	fs.StringVar(&upServerName, "upstream-server-name", "", "Name to verify in an https upstream's certificate (and send as SNI); default the host of --upstream.")
+	fs.StringVar(&upCert, "upstream-cert-file", "", "PEM client certificate to present to an https upstream; needs --upstream-key-file.")
+	fs.StringVar(&upKey, "upstream-key-file", "", "PEM private key of --upstream-cert-file.")
+	fs.DurationVar(&cfg.UpstreamConnectTimeout, "upstream-connect-timeout", enforcer.DefaultUpstreamConnectTimeout, "Time to connect to the upstream, TLS handshake included; past it, 504.")
+	fs.DurationVar(&cfg.UpstreamResponseHeaderTimeout, "upstream-response-header-timeout", enforcer.DefaultUpstreamResponseHeaderTimeout, "Time the upstream has to start its response once the request is sent; past it, 504 (gRPC DEADLINE_EXCEEDED). A streamed response or upgraded connection that has begun, and a gRPC call (bounded by its own deadline), may last any time.")
+	fs.DurationVar(&cfg.UpstreamIdleTimeout, "upstream-idle-timeout", enforcer.DefaultUpstreamIdleTimeout, "How long an idle pooled upstream connection is kept; keep it below the upstream's keep-alive timeout (gunicorn 2s, Node and uvicorn 5s), so the upstream never closes one the proxy is about to use.")
 	fs.StringVar(&cfg.Listen, "listen", ":8080", "Address of the reverse proxy.")
 	fs.StringVar(&cfg.CheckListen, "check-listen", ":8081", "Address of the check API for ingress forward-auth; empty disables it.")
 	fs.StringVar(&cfg.RLSListen, "rls-listen", "", "Address of Envoy's rate limit service (gRPC, envoy.service.ratelimit.v3); empty, the default, disables it.")
@@ -131,7 +140,9 @@ func parse(args []string) (enforcer.Config, error) {
 	}
 	cfg.Log = logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: logLevels[logLevel]}))
 	for name, v := range map[string]int64{"--max-conns": int64(cfg.MaxConns), "--max-conns-per-client": int64(cfg.MaxConnsPerClient),
-		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout)} {
+		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout),
+		"--upstream-connect-timeout": int64(cfg.UpstreamConnectTimeout), "--upstream-response-header-timeout": int64(cfg.UpstreamResponseHeaderTimeout),
+		"--upstream-idle-timeout": int64(cfg.UpstreamIdleTimeout)} {
 		if v <= 0 {
 			return cfg, fmt.Errorf("%s must be positive", name)
 		}
@@ -156,10 +167,20 @@ func parse(args []string) (enforcer.Config, error) {
 	}
 	if upstream != "" {
 		u, err := url.Parse(upstream)
-		if err != nil || u.Scheme == "" || u.Host == "" {
-			return cfg, fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000", upstream)
+		if err != nil || u.Host == "" || !slices.Contains(enforcer.UpstreamSchemes, u.Scheme) {
+			return cfg, fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000, https://api:8443 or h2c://grpc:50051", upstream)
 		}
 		cfg.Upstream = u
+	}
+	if upCA != "" || upServerName != "" || upCert != "" || upKey != "" {
+		if cfg.Upstream == nil || cfg.Upstream.Scheme != "https" {
+			return cfg, errors.New("--upstream-ca-file, --upstream-server-name, --upstream-cert-file and --upstream-key-file need an https --upstream")
+		}
+		c, err := upstreamTLS(upCA, upServerName, upCert, upKey)
+		if err != nil {
+			return cfg, err
+		}
+		cfg.UpstreamTLS = c
 	}
 	set := 0
 	for _, v := range []string{redisURL, cluster, sentinel} {
@@ -237,6 +258,32 @@ func redisTLS(caFile, serverName string) (*tls.Config, error) {
 		if !c.RootCAs.AppendCertsFromPEM(pem) {
 			return nil, fmt.Errorf("--redis-ca-file %s: no PEM certificate found", caFile)
 		}
+	}
+	return c, nil
+}
+
+// upstreamTLS is the client TLS configuration of an https upstream.
+func upstreamTLS(caFile, serverName, certFile, keyFile string) (*tls.Config, error) {
+	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: serverName}
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, fmt.Errorf("--upstream-ca-file: %w", err)
+		}
+		c.RootCAs = x509.NewCertPool()
+		if !c.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--upstream-ca-file %s: no PEM certificate found", caFile)
+		}
+	}
+	if (certFile == "") != (keyFile == "") {
+		return nil, errors.New("--upstream-cert-file and --upstream-key-file go together")
+	}
+	if certFile != "" {
+		cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+		if err != nil {
+			return nil, fmt.Errorf("--upstream-cert-file, --upstream-key-file: %w", err)
+		}
+		c.Certificates = []tls.Certificate{cert}
 	}
 	return c, nil
 }

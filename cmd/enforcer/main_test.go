@@ -97,6 +97,7 @@ func TestFlagsWhenAConnectionBoundIsNotPositiveThenRefusedNamingIt(t *testing.T)
 	for flag, values := range map[string][2]string{
 		"--max-conns": {"1", "0"}, "--max-conns-per-client": {"1", "0"},
 		"--read-timeout": {"1ms", "0s"}, "--write-timeout": {"1ms", "0s"},
+		"--upstream-connect-timeout": {"1ms", "0s"}, "--upstream-response-header-timeout": {"1ms", "0s"}, "--upstream-idle-timeout": {"1ms", "0s"},
 	} {
 		if _, err := parse([]string{"--policy=p.yaml", flag + "=" + values[0]}); err != nil {
 			t.Errorf("%s=%s: %v, want it taken", flag, values[0], err)
@@ -104,5 +105,40 @@ func TestFlagsWhenAConnectionBoundIsNotPositiveThenRefusedNamingIt(t *testing.T)
 		if _, err := parse([]string{"--policy=p.yaml", flag + "=" + values[1]}); err == nil || !strings.Contains(err.Error(), flag) {
 			t.Errorf("%s=%s: %v, want an error naming %s", flag, values[1], err, flag)
 		}
+	}
+}
+
+// --upstream takes the three schemes and nothing else, and its TLS flags need an https upstream
+// and each other as they say; every refusal names the flags.
+func TestFlagsWhenTheUpstreamIsGivenThenOnlyWorkableCombinationsAreTaken(t *testing.T) {
+	pki := newTestPKI(t)
+	cases := []struct {
+		name    string
+		flags   []string
+		wantErr string // "" when taken
+	}{
+		{"when the scheme is http then taken", []string{"--upstream=http://api:80"}, ""},
+		{"when the scheme is https then taken", []string{"--upstream=https://api:443"}, ""},
+		{"when the scheme is h2c then taken", []string{"--upstream=h2c://api:50051"}, ""},
+		{"when the scheme is another then refused", []string{"--upstream=ftp://api:21"}, "--upstream"},
+		{"when there is no host then refused", []string{"--upstream=http://"}, "--upstream"},
+		{"when a CA file is given for https then taken", []string{"--upstream=https://api", "--upstream-ca-file=" + pki.caFile}, ""},
+		{"when a CA file is given for http then refused", []string{"--upstream=http://api", "--upstream-ca-file=" + pki.caFile}, "--upstream-ca-file"},
+		{"when a server name is given without an upstream then refused", []string{"--upstream-server-name=api.test"}, "--upstream-server-name"},
+		{"when the CA file holds no certificate then refused", []string{"--upstream=https://api", "--upstream-ca-file=" + pki.keyFile}, "--upstream-ca-file"},
+		{"when a client certificate comes without its key then refused", []string{"--upstream=https://api", "--upstream-cert-file=" + pki.certFile}, "--upstream-key-file"},
+		{"when a client certificate comes with its key then taken",
+			[]string{"--upstream=https://api", "--upstream-cert-file=" + pki.certFile, "--upstream-key-file=" + pki.keyFile}, ""},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := parse(append([]string{"--policy=p.yaml"}, c.flags...))
+			switch {
+			case c.wantErr == "" && err != nil:
+				t.Errorf("%v, want taken", err)
+			case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
+				t.Errorf("%v, want an error naming %s", err, c.wantErr)
+			}
+		})
 	}
 }

@@ -46,6 +46,8 @@ const (
 	redisCADir = "/etc/sluice-redis-ca"
 	// redisCredentialsDir holds the files of storage.redis.credentialsSecretRef.
 	redisCredentialsDir = "/etc/sluice-redis-credentials"
+	// upstreamCADir holds the CA bundle of targetRef.tls.caSecretRef.
+	upstreamCADir = "/etc/sluice-upstream-ca"
 )
 
 // The enforcer's stop on SIGTERM: it serves on with /readyz failing for shutdownDelay, while
@@ -262,6 +264,16 @@ func Replicas(p *v1alpha1.RateLimitPolicy) int32 {
 	return 1
 }
 
+// upstreamArg is the --upstream flag: the target Service's DNS name and port, in the scheme of
+// its appProtocol (http when absent).
+func upstreamArg(p *v1alpha1.RateLimitPolicy) string {
+	scheme := string(p.Spec.TargetRef.AppProtocol)
+	if scheme == "" {
+		scheme = string(v1alpha1.AppProtocolHTTP)
+	}
+	return fmt.Sprintf("--upstream=%s://%s.%s.svc:%d", scheme, p.Spec.TargetRef.Name, p.Namespace, p.Spec.TargetRef.Port)
+}
+
 // Enforcer renders the policy's objects.
 func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	name := Name(p)
@@ -300,7 +312,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 
 	args := []string{
 		"--policy=" + PolicyFile,
-		fmt.Sprintf("--upstream=http://%s.%s.svc:%d", p.Spec.TargetRef.Name, p.Namespace, p.Spec.TargetRef.Port),
+		upstreamArg(p),
 		fmt.Sprintf("--listen=:%d", ProxyPort),
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
@@ -314,6 +326,18 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	}
 	var volumes []corev1.Volume
 	mounts := []corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}
+	if t := p.Spec.TargetRef.TLS; t != nil && p.Spec.TargetRef.AppProtocol == v1alpha1.AppProtocolHTTPS {
+		if t.ServerName != "" {
+			args = append(args, "--upstream-server-name="+t.ServerName)
+		}
+		if ref := t.CASecretRef; ref != nil {
+			volumes = append(volumes, corev1.Volume{Name: "upstream-ca", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+				SecretName: ref.Name, Items: []corev1.KeyToPath{{Key: ref.Key, Path: "ca.crt"}},
+			}}})
+			mounts = append(mounts, corev1.VolumeMount{Name: "upstream-ca", MountPath: upstreamCADir, ReadOnly: true})
+			args = append(args, "--upstream-ca-file="+upstreamCADir+"/ca.crt")
+		}
+	}
 	if s := p.Spec.Storage; s != nil && s.Redis != nil {
 		args = append(args, redisArgs(s.Redis)...)
 		if t := s.Redis.TLS; t != nil && t.CASecretRef != nil {

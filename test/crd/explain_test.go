@@ -45,6 +45,16 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 		want, notWant []string
 	}{
 		{
+			name:  "when the target's appProtocol is explained then each protocol and the default are named",
+			field: "rlp.spec.targetRef.appProtocol",
+			want:  []string{"http (HTTP/1.1 in cleartext", "https (TLS", "HTTP/2 when the port offers it by ALPN", "h2c (cleartext HTTP/2 with prior knowledge", "Absent means the Service port's appProtocol", "and else http"},
+		},
+		{
+			name:  "when the target's TLS is explained then the CA Secret is mounted and the default name is the Service's",
+			field: "rlp.spec.targetRef.tls",
+			want:  []string{"mounted into the enforcer pods", "NAME.NAMESPACE.svc"},
+		},
+		{
 			name:    "when credentials are explained then they are mounted files, not environment variables",
 			field:   "rlp.spec.storage.redis.credentialsSecretRef",
 			want:    []string{"mounted into the enforcer pods as files"},
