@@ -105,7 +105,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 		um := newUpstreamMetrics(prometheus.NewRegistry())
 		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
 		fast.panics = e.panics
-		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um)))(b.proxy)
+		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard())))(b.proxy)
 		e.serveCheck(&check{limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
@@ -398,7 +398,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
 	um := newUpstreamMetrics(prometheus.NewRegistry())
 	fastP := newFastProxy(h1, upstream, fuzzUpstream, um, logr.Discard())
-	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second, um)
+	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second, um, logr.Discard())
 	c := &check{limiter: chk}
 	r := &rls{limiter: rl}
 	passed := func(s int) int {

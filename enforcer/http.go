@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/sluice-dev/sluice/enforcer/limiter"
 	"github.com/sluice-dev/sluice/enforcer/policy"
 )
@@ -104,7 +105,7 @@ type proxy struct {
 	writeTimeout time.Duration
 }
 
-func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper, writeTimeout time.Duration, m *upstreamMetrics) *proxy {
+func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper, writeTimeout time.Duration, m *upstreamMetrics, log logr.Logger) *proxy {
 	upstream = upstreamURL(upstream)
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -125,6 +126,7 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 				return // the client left: nobody reads an answer, and the upstream did not fail
 			}
 			status := m.failed(err)
+			log.V(1).Info("Upstream request failed", "error", err.Error(), "status", status)
 			if isGRPC(r.Header) {
 				writeGRPCStatus(w.Header(), grpcCode(status), http.StatusText(status)+": "+abbreviate(err.Error()))
 				status = http.StatusOK

@@ -228,7 +228,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	if cfg.Upstream != nil {
 		um := newUpstreamMetrics(reg)
 		o := upstreamOptions{tls: cfg.UpstreamTLS, connect: cfg.UpstreamConnectTimeout, responseHeader: cfg.UpstreamResponseHeaderTimeout, idle: cfg.UpstreamIdleTimeout}
-		h2 := e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, newTransport(cfg.Upstream, o), cfg.WriteTimeout, um))
+		h2 := e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, newTransport(cfg.Upstream, o), cfg.WriteTimeout, um, cfg.Log))
 		if cfg.Upstream.Scheme == "http" {
 			fast := newFastProxy(e.limiter, cfg.Upstream, o, um, cfg.Log)
 			fast.panics = e.panics

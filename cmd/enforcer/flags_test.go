@@ -136,13 +136,15 @@ func TestFlagsWhenTheLogLevelIsDebugThenRefusalsAndUpstreamErrorsAreLogged(t *te
 	if err := os.WriteFile(file, []byte(flagsPolicy), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for _, level := range []string{"debug", "info"} {
-		t.Run("when the level is "+level, func(t *testing.T) {
+	// The HTTP/1.1 upstream is served by fasthttp, the h2c one by net/http: both log.
+	for _, c := range []struct{ level, upstream string }{{"debug", "http://127.0.0.1:1"}, {"debug", "h2c://127.0.0.1:1"}, {"info", "http://127.0.0.1:1"}} {
+		level := c.level
+		t.Run("when the level is "+level+" and the upstream "+c.upstream, func(t *testing.T) {
 			proxy, _ := local.FreeAddr()
 			admin, _ := local.FreeAddr()
 			log := &local.Output{}
 			// An upstream nothing listens on: every request that passes is a 502.
-			p, err := local.Start("enforcer", log, binary(t), "--policy="+file, "--upstream=http://127.0.0.1:1",
+			p, err := local.Start("enforcer", log, binary(t), "--policy="+file, "--upstream="+c.upstream,
 				"--listen="+proxy, "--check-listen=", "--admin-listen="+admin, "--shutdown-delay=0s", "--log-level="+level)
 			if err != nil {
 				t.Fatal(err)
