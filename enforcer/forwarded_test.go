@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/sluice-dev/sluice/test/local"
 )
 
 // The forwarded fields a trusted proxy set reach the upstream extended, not overwritten; those
@@ -60,7 +62,7 @@ func TestProxyWhenForwardedFieldsArriveThenTheyAreKeptFromTrustedPeersOnly(t *te
 				for k, v := range c.sent {
 					req.Header.Set(k, v)
 				}
-				resp, err := clientFor(via).Do(req)
+				resp, err := local.ClientFor(via, 0).Do(req)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -76,15 +78,4 @@ func TestProxyWhenForwardedFieldsArriveThenTheyAreKeptFromTrustedPeersOnly(t *te
 			})
 		}
 	}
-}
-
-// clientFor is a client that speaks HTTP/1.1 or cleartext HTTP/2 with prior knowledge.
-func clientFor(via string) *http.Client {
-	var protocols http.Protocols
-	if via == "h2c" {
-		protocols.SetUnencryptedHTTP2(true)
-	} else {
-		protocols.SetHTTP1(true)
-	}
-	return &http.Client{Transport: &http.Transport{Protocols: &protocols}}
 }

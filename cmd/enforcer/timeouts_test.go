@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/sluice-dev/sluice/test/local"
 )
 
 // A hung upstream is cut at the response header timeout on both proxies: 504, counted, and the
@@ -22,7 +24,7 @@ func TestEnforcerBinaryWhenTheUpstreamHangsThen504AndTheRequestIsFreed(t *testin
 	e := startFronting(t, "http://"+up, "--upstream-response-header-timeout=300ms")
 	for _, via := range []string{"HTTP/1.1", "h2c"} {
 		start := time.Now()
-		resp, err := clientFor(via).Get("http://" + e.proxy + "/hang")
+		resp, err := local.ClientFor(via, 20*time.Second).Get("http://" + e.proxy + "/hang")
 		if err != nil {
 			t.Fatalf("%s: %v", via, err)
 		}
@@ -52,7 +54,7 @@ func TestEnforcerBinaryWhenAStreamPausesPastTheHeaderTimeoutThenItIsNotCut(t *te
 	}))
 	e := startFronting(t, "http://"+up, "--upstream-response-header-timeout=300ms")
 	for _, via := range []string{"HTTP/1.1", "h2c"} {
-		resp, err := clientFor(via).Get("http://" + e.proxy + "/stream")
+		resp, err := local.ClientFor(via, 20*time.Second).Get("http://" + e.proxy + "/stream")
 		if err != nil {
 			t.Fatalf("%s: %v", via, err)
 		}
@@ -96,7 +98,7 @@ func TestEnforcerBinaryWhenTheUpstreamKeepsAliveTwoSecondsThenARequestAfterAPaus
 	e := startFronting(t, "http://"+ln.Addr().String())
 	for _, via := range []string{"HTTP/1.1", "h2c"} {
 		for i := range 2 {
-			resp, err := clientFor(via).Get("http://" + e.proxy + "/keepalive")
+			resp, err := local.ClientFor(via, 20*time.Second).Get("http://" + e.proxy + "/keepalive")
 			if err != nil {
 				t.Fatalf("%s request %d: %v", via, i, err)
 			}
@@ -154,7 +156,7 @@ func TestEnforcerBinaryWhenAPooledConnectionWasClosedThenAnIdempotentRequestIsRe
 	}()
 	e := startFronting(t, "http://"+ln.Addr().String())
 	for i := range 3 {
-		resp, err := clientFor("HTTP/1.1").Get("http://" + e.proxy + "/retry")
+		resp, err := local.ClientFor("HTTP/1.1", 20*time.Second).Get("http://" + e.proxy + "/retry")
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -196,7 +196,7 @@ func TestEnforcerBinaryWhenTheUpstreamSpeaksTLSOrHTTP2ThenRequestsReachItSo(t *t
 		t.Run(c.name, func(t *testing.T) {
 			e := startFronting(t, c.upstream, c.flags...)
 			for _, via := range []string{"HTTP/1.1", "h2c"} {
-				resp, err := clientFor(via).Get("http://" + e.proxy + "/proto")
+				resp, err := local.ClientFor(via, 20*time.Second).Get("http://" + e.proxy + "/proto")
 				if err != nil {
 					t.Fatalf("%s: %v", via, err)
 				}
@@ -211,15 +211,4 @@ func TestEnforcerBinaryWhenTheUpstreamSpeaksTLSOrHTTP2ThenRequestsReachItSo(t *t
 			}
 		})
 	}
-}
-
-// clientFor is a client that speaks HTTP/1.1 or cleartext HTTP/2 with prior knowledge.
-func clientFor(via string) *http.Client {
-	var protocols http.Protocols
-	if via == "h2c" {
-		protocols.SetUnencryptedHTTP2(true)
-	} else {
-		protocols.SetHTTP1(true)
-	}
-	return &http.Client{Transport: &http.Transport{Protocols: &protocols}, Timeout: 20 * time.Second}
 }

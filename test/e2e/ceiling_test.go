@@ -12,14 +12,12 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/apiutil"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
@@ -104,17 +102,7 @@ func programBare(b *testing.B, k8s client.Client, ns string, n int, create bool)
 	for w := range bareWorkers {
 		wg.Go(func() {
 			for i := w; i < n; i += bareWorkers {
-				name := "p" + strconv.Itoa(i)
-				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-					Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
-				p := &v1alpha1.RateLimitPolicy{
-					ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-					Spec: v1alpha1.RateLimitPolicySpec{
-						TargetRef: v1alpha1.TargetRef{Name: name, Port: 8080},
-						Rules: []v1alpha1.Rule{{Name: "per-client", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}},
-							FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}}},
-					},
-				}
+				svc, p := benchPolicy(ns, i)
 				if err := k8s.Create(ctx, svc); err != nil {
 					b.Error(err)
 					return

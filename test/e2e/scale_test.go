@@ -114,6 +114,23 @@ func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
 // populate creates n memory-storage policies, each in front of a Service of its own, 8 at a time.
 func populate(t testing.TB, k8s client.Client, ns string, n int) { populateWith(t, k8s, ns, n, 8) }
 
+// benchPolicy is the i-th policy of the benchmarks, with the Service it fronts: memory storage,
+// one rule.
+func benchPolicy(ns string, i int) (*corev1.Service, *v1alpha1.RateLimitPolicy) {
+	name := "p" + strconv.Itoa(i)
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
+	p := &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: name, Port: 8080},
+			Rules: []v1alpha1.Rule{{Name: "per-client", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}},
+				FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}}},
+		},
+	}
+	return svc, p
+}
+
 // populateWith is populate with workers creating at once.
 func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 	t.Helper()
@@ -121,17 +138,7 @@ func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 	for w := range workers {
 		wg.Go(func() {
 			for i := w; i < n; i += workers {
-				name := "p" + strconv.Itoa(i)
-				svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-					Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 8080}}}}
-				p := &v1alpha1.RateLimitPolicy{
-					ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-					Spec: v1alpha1.RateLimitPolicySpec{
-						TargetRef: v1alpha1.TargetRef{Name: name, Port: 8080},
-						Rules: []v1alpha1.Rule{{Name: "per-client", Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}},
-							FixedWindow: &v1alpha1.Window{Limit: 100, Window: "1m"}}},
-					},
-				}
+				svc, p := benchPolicy(ns, i)
 				for _, o := range []client.Object{svc, p} {
 					if err := k8s.Create(context.Background(), o); err != nil {
 						t.Error(err)
