@@ -413,22 +413,7 @@ func BenchmarkManagerMemory(b *testing.B) {
 		ns := makeNamespace(b, k8s, "memory-")
 		start := time.Now()
 		populate(b, k8s, ns, n)
-		waitFor(b, 30*time.Minute, func() error {
-			var list v1alpha1.RateLimitPolicyList
-			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
-				return err
-			}
-			done := 0
-			for _, p := range list.Items {
-				if meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) {
-					done++
-				}
-			}
-			if done != n {
-				return fmt.Errorf("%d of %d Programmed", done, n)
-			}
-			return nil
-		})
+		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		programmed := time.Since(start)
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")
