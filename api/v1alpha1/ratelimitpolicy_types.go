@@ -132,6 +132,32 @@ type TargetRef struct {
 	// NAME.NAMESPACE.svc.
 	// +optional
 	TLS *TargetTLS `json:"tls,omitempty"`
+
+	// timeouts bound the enforcer's hop to the Service. Absent fields keep the enforcer's
+	// defaults: connect 5s, responseHeader 60s, idle 1s.
+	// +optional
+	Timeouts *UpstreamTimeouts `json:"timeouts,omitempty"`
+}
+
+// UpstreamTimeouts bound the hop from the enforcer to the Service. A request past its connect or
+// response-header timeout is answered 504 (gRPC DEADLINE_EXCEEDED), counted in
+// sluice_upstream_failures_total, and ended at the Service.
+type UpstreamTimeouts struct {
+	// connect is the time to open a connection to the Service, TLS handshake included.
+	// +optional
+	Connect *Duration `json:"connect,omitempty"`
+
+	// responseHeader is the time the Service has to start its response once the request is
+	// sent. A streamed response or an upgraded connection that has begun, and a gRPC call (which
+	// its own deadline bounds), may last any time.
+	// +optional
+	ResponseHeader *Duration `json:"responseHeader,omitempty"`
+
+	// idle is how long an idle pooled connection to the Service is kept. Keep it below the
+	// Service's own keep-alive timeout (gunicorn's is 2s, Node's and uvicorn's 5s), so that the
+	// Service never closes a connection the enforcer is about to use.
+	// +optional
+	Idle *Duration `json:"idle,omitempty"`
 }
 
 // BypassProtection lists who, besides the enforcer, may still reach the target's pods directly.
@@ -196,6 +222,21 @@ type TargetTLS struct {
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=253
 	ServerName string `json:"serverName,omitempty"`
+
+	// clientCertificateSecretRef names a Secret of type kubernetes.io/tls, in the policy's
+	// namespace, whose tls.crt and tls.key the enforcer presents to a Service that asks for a
+	// client certificate; the Secret is mounted into the enforcer pods. Absent: none is sent.
+	// +optional
+	ClientCertificateSecretRef *SecretRef `json:"clientCertificateSecretRef,omitempty"`
+}
+
+// SecretRef names a Secret in the policy's namespace.
+type SecretRef struct {
+	// name is the Secret's name.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	Name string `json:"name,omitempty"`
 }
 
 // Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.

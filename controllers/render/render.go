@@ -48,6 +48,8 @@ const (
 	redisCredentialsDir = "/etc/sluice-redis-credentials"
 	// upstreamCADir holds the CA bundle of targetRef.tls.caSecretRef.
 	upstreamCADir = "/etc/sluice-upstream-ca"
+	// upstreamClientDir holds the client certificate of targetRef.tls.clientCertificateSecretRef.
+	upstreamClientDir = "/etc/sluice-upstream-client"
 )
 
 // The enforcer's stop on SIGTERM: it serves on with /readyz failing for shutdownDelay, while
@@ -336,6 +338,23 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			}}})
 			mounts = append(mounts, corev1.VolumeMount{Name: "upstream-ca", MountPath: upstreamCADir, ReadOnly: true})
 			args = append(args, "--upstream-ca-file="+upstreamCADir+"/ca.crt")
+		}
+		if ref := t.ClientCertificateSecretRef; ref != nil {
+			volumes = append(volumes, corev1.Volume{Name: "upstream-client", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+				SecretName: ref.Name, Items: []corev1.KeyToPath{{Key: corev1.TLSCertKey, Path: corev1.TLSCertKey}, {Key: corev1.TLSPrivateKeyKey, Path: corev1.TLSPrivateKeyKey}},
+			}}})
+			mounts = append(mounts, corev1.VolumeMount{Name: "upstream-client", MountPath: upstreamClientDir, ReadOnly: true})
+			args = append(args, "--upstream-cert-file="+upstreamClientDir+"/"+corev1.TLSCertKey, "--upstream-key-file="+upstreamClientDir+"/"+corev1.TLSPrivateKeyKey)
+		}
+	}
+	if t := p.Spec.TargetRef.Timeouts; t != nil {
+		for _, f := range []struct {
+			flag string
+			d    *v1alpha1.Duration
+		}{{"--upstream-connect-timeout", t.Connect}, {"--upstream-response-header-timeout", t.ResponseHeader}, {"--upstream-idle-timeout", t.Idle}} {
+			if f.d != nil {
+				args = append(args, f.flag+"="+string(*f.d))
+			}
 		}
 	}
 	if s := p.Spec.Storage; s != nil && s.Redis != nil {

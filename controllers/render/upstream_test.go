@@ -63,3 +63,49 @@ func TestEnforcerWhenTheTargetSpeaksTLSOrHTTP2ThenTheUpstreamFlagsSaySo(t *testi
 		})
 	}
 }
+
+// A client certificate Secret is mounted where --upstream-cert-file and --upstream-key-file read
+// it, for an https target only; the target's timeouts become the upstream timeout flags, and the
+// absent ones keep the enforcer's defaults (no flag).
+func TestEnforcerWhenTheTargetNamesAClientCertificateAndTimeoutsThenTheyAreFlags(t *testing.T) {
+	p := readSample(t, "fixed-window.yaml")
+	p.Spec.TargetRef = v1alpha1.TargetRef{Name: "api", Port: 8443, AppProtocol: v1alpha1.AppProtocolHTTPS,
+		TLS:      &v1alpha1.TargetTLS{ClientCertificateSecretRef: &v1alpha1.SecretRef{Name: "api-client"}},
+		Timeouts: &v1alpha1.UpstreamTimeouts{Connect: ptrTo[v1alpha1.Duration]("2s"), Idle: ptrTo[v1alpha1.Duration]("1500ms")}}
+	objs, err := render.Enforcer(p, defaults)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := objs.Deployment.Spec.Template.Spec
+	var got []string
+	for _, a := range pod.Containers[0].Args {
+		if len(a) > len("--upstream-") && a[:len("--upstream-")] == "--upstream-" {
+			got = append(got, a)
+		}
+	}
+	want := []string{"--upstream-cert-file=/etc/sluice-upstream-client/tls.crt", "--upstream-key-file=/etc/sluice-upstream-client/tls.key",
+		"--upstream-connect-timeout=2s", "--upstream-idle-timeout=1500ms"}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("upstream flags (-want +got):\n%s", diff)
+	}
+	mounted := slices.ContainsFunc(pod.Volumes, func(v corev1.Volume) bool {
+		return v.Secret != nil && v.Secret.SecretName == "api-client" && len(v.Secret.Items) == 2
+	}) && slices.ContainsFunc(pod.Containers[0].VolumeMounts, func(m corev1.VolumeMount) bool {
+		return m.MountPath == "/etc/sluice-upstream-client" && m.ReadOnly
+	})
+	if !mounted {
+		t.Errorf("client certificate Secret not mounted: %+v", pod.Volumes)
+	}
+
+	p.Spec.TargetRef.AppProtocol = v1alpha1.AppProtocolHTTP
+	if objs, err = render.Enforcer(p, defaults); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range objs.Deployment.Spec.Template.Spec.Volumes {
+		if v.Secret != nil && v.Secret.SecretName == "api-client" {
+			t.Error("a client certificate mounted for a cleartext target")
+		}
+	}
+}
+
+func ptrTo[T any](v T) *T { return &v }
