@@ -238,38 +238,15 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 			serveProxy = e.serveHTTP(h2)
 		}
 	}
-	servers := []struct {
-		name   string
-		addr   *string
-		listen string
-		serve  func(net.Listener) func(context.Context) error
-	}{
-		{"admin", &e.AdminAddr, cfg.AdminListen, e.serveHTTP(e.panics.http("admin", admin))},
+	servers := []server{
 		{"proxy", &e.ProxyAddr, cfg.Listen, serveProxy},
 		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
 		{"rls", &e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
+		{"admin", &e.AdminAddr, cfg.AdminListen, e.serveHTTP(e.panics.http("admin", admin))},
 	}
-	traffic := newConnBudget(cfg.MaxConns, cfg.MaxConnsPerClient)
-	for i, s := range servers {
-		if s.listen == "" || s.serve == nil {
-			continue
-		}
-		ln, err := net.Listen("tcp", s.listen)
-		if err != nil {
-			e.stop(0)
-			return nil, fmt.Errorf("listen on %s: %w", s.listen, err)
-		}
-		*s.addr = ln.Addr().String()
-		budget := traffic
-		if s.name == "admin" {
-			budget = newConnBudget(adminMaxConns, adminMaxConnsPerClient)
-		}
-		ln = newGuardListener(ln, s.name, connLimits{budget: budget, writeTimeout: cfg.WriteTimeout, http: s.name != "rls"}, e.conns)
-		if shutdown := s.serve(ln); i == 0 {
-			e.adminShutdown = shutdown
-		} else {
-			e.shutdowns = append(e.shutdowns, shutdown)
-		}
+	if err := e.listenAndServe(servers); err != nil {
+		e.stop(0)
+		return nil, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	e.wg.Go(func() { e.watchFile(ctx) })
@@ -294,6 +271,53 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr, "rls", e.RLSAddr,
 		"policies", len(policies), "store", storeName(cfg))
 	return e, nil
+}
+
+// server is one of the enforcer's listeners: its name, where its address is reported, the
+// address to listen on (none: not served) and how it serves.
+type server struct {
+	name   string
+	addr   *string
+	listen string
+	serve  func(net.Listener) func(context.Context) error
+}
+
+// listenAndServe binds every server's listener before any serves, so that a bind failure starts
+// nothing and /readyz (the admin server, last) answers only once every port accepts.
+func (e *Enforcer) listenAndServe(servers []server) error {
+	lns := make([]net.Listener, len(servers))
+	for i, s := range servers {
+		if s.listen == "" || s.serve == nil {
+			continue
+		}
+		ln, err := net.Listen("tcp", s.listen)
+		if err != nil {
+			for _, bound := range lns[:i] {
+				if bound != nil {
+					_ = bound.Close()
+				}
+			}
+			return fmt.Errorf("listen on %s: %w", s.listen, err)
+		}
+		*s.addr, lns[i] = ln.Addr().String(), ln
+	}
+	traffic := newConnBudget(e.cfg.MaxConns, e.cfg.MaxConnsPerClient)
+	for i, s := range servers {
+		if lns[i] == nil {
+			continue
+		}
+		budget := traffic
+		if s.name == "admin" {
+			budget = newConnBudget(adminMaxConns, adminMaxConnsPerClient)
+		}
+		ln := newGuardListener(lns[i], s.name, connLimits{budget: budget, writeTimeout: e.cfg.WriteTimeout, http: s.name != "rls"}, e.conns)
+		if shutdown := s.serve(ln); s.name == "admin" {
+			e.adminShutdown = shutdown
+		} else {
+			e.shutdowns = append(e.shutdowns, shutdown)
+		}
+	}
+	return nil
 }
 
 func storeName(cfg Config) string {
