@@ -53,8 +53,8 @@ type Idempotency struct {
 // Rule is a compiled rule.
 type Rule struct {
 	Name string
-	// StateKey names the rule's state in a store (store.RuleID): a hash of its policy, its name
-	// and its Limit's Layout.
+	// StateKey names the rule's state in the store, which owns the key layout: the limiter sets
+	// it (store.RuleID of the policy, the name and the Limit's Layout) when it takes the policy.
 	StateKey string
 	Limit    algorithm.Limit
 	Cost     int64
@@ -124,9 +124,6 @@ func compile(p *v1alpha1.RateLimitPolicy) (*Policy, field.ErrorList) {
 		seen[r.Name] = true
 		rule, rerrs := compileRule(r, path, defaultOpen)
 		errs = append(errs, rerrs...)
-		if len(rerrs) == 0 {
-			rule.StateKey = RuleID(out.ID, rule.Name, rule.Limit.Layout())
-		}
 		out.Rules = append(out.Rules, rule)
 	}
 	for i, cidr := range p.Spec.TrustedProxies {
