@@ -114,6 +114,16 @@ func (l Limit) Layout() string {
 // letter is the kind's one-letter tag in Layout.
 func (k Kind) letter() string { return string("?tlfsc"[min(int(k), 5)]) }
 
+// Horizon is how long the rule remembers, the time its quota refers to: the window, or the time
+// an empty bucket takes to fill (a full queue to drain).
+func (l Limit) Horizon() time.Duration {
+	switch l.Kind {
+	case TokenBucket, LeakyBucket:
+		return time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
+	}
+	return l.Period
+}
+
 // Micros converts a time to microseconds since the epoch, the unit of State and of the Lua
 // script's arguments.
 func Micros(t time.Time) float64 { return float64(t.UnixMicro()) }
