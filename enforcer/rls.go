@@ -160,7 +160,7 @@ func descriptorStatus(r *limiter.Result) *rlsv3.RateLimitResponse_DescriptorStat
 	if r.Outcome == limiter.Limited {
 		st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
 	}
-	if r.Rule == nil {
+	if r.Rule == nil || r.Decision.Limit == 0 { // no rule, or a refusal the store did not decide
 		return st
 	}
 	d := r.Decision
