@@ -128,8 +128,8 @@ func remoteAddr(ctx *fasthttp.RequestCtx) netip.Addr {
 }
 
 // newCheckServer serves the check API with the proxy's limits against slow and oversized
-// clients: readTimeout to read a request, 120 s idle, 64 KiB of header.
-func newCheckServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
+// clients: readTimeout to read a request, idleTimeout between requests, 64 KiB of header.
+func newCheckServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout, idleTimeout time.Duration) *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:               h,
 		ReadTimeout:           readTimeout,

@@ -100,7 +100,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			panic("the first /admin request was refused")
 		}
 		u, _ := url.Parse(up.URL)
-		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, Log: logr.Discard()},
+		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second, Log: logr.Discard()},
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
 		um := newUpstreamMetrics(prometheus.NewRegistry())
 		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())

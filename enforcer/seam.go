@@ -22,8 +22,8 @@ import (
 //     that leaves while its decision is in flight neither fails the store (which would open the
 //     breaker for everyone) nor skips the charge;
 //   - the path: the request target decoded, dot segments resolved and repeated slashes merged,
-//     as fasthttp reads it; the query dropped; a target over MaxTargetBytes is 414, one that is
-//     not a path or an absolute URI, or holds a '#', 400;
+//     as fasthttp reads it; the query dropped; a path and query over MaxTargetBytes is 414, a
+//     target that is not a path or an absolute URI, or holds a '#', 400;
 //   - the method, upper-cased: a rule for GET also decides "get";
 //   - the identity: the limiter's ClientAddr and ClientKey, where a repeated key header is 400;
 //   - the verdict's status and fields (verdict.write), and the hold of a queued request (hold).
@@ -31,8 +31,8 @@ import (
 // A front end keeps only what its protocol needs: where the method and target come from, the
 // nginx endpoint's statuses, the gRPC codes. docs/enforcer.md lists what still differs.
 
-// MaxTargetBytes bounds a request target (path and query): a longer one is answered 414 by every
-// front end before anything is decided.
+// MaxTargetBytes bounds a request target's path and query (an absolute URI's authority aside): a
+// longer one is answered 414 by every front end before anything is decided.
 const MaxTargetBytes = 8 << 10
 
 // input is what a front end makes of its request.
@@ -96,10 +96,6 @@ func judge(res limiter.Result) verdict {
 // authority holds: the upstream reads the path, and a Host that does not parse must not make
 // the path unreadable.
 func requestPath(target string) (string, *verdict) {
-	if len(target) > MaxTargetBytes {
-		v := invalid(http.StatusRequestURITooLong, "request target over "+strconv.Itoa(MaxTargetBytes)+" bytes")
-		return "", &v
-	}
 	if strings.IndexByte(target, '#') >= 0 {
 		// No request target has a fragment (RFC 9112, 3.2). fasthttp would cut the path there,
 		// while an upstream that reads the '#' as part of the path and resolves "/x#/../admin"
@@ -118,6 +114,12 @@ func requestPath(target string) (string, *verdict) {
 			return "/", nil
 		}
 		target = rest[i:]
+	}
+	// The bound is on the path and query, whatever form carries them: nginx's absolute URI adds
+	// the client's Host, which the proxy's origin form does not count.
+	if len(target) > MaxTargetBytes {
+		v := invalid(http.StatusRequestURITooLong, "request target over "+strconv.Itoa(MaxTargetBytes)+" bytes")
+		return "", &v
 	}
 	u := fasthttp.AcquireURI()
 	defer fasthttp.ReleaseURI(u)
