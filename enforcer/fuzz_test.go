@@ -59,14 +59,16 @@ spec:
 `
 
 // fuzzBed is the proxy and the check API on in-memory listeners, in front of an upstream that
-// counts the requests it reads as /admin.
+// counts the requests it reads as /admin. proxy is served as in front of an http:// upstream
+// (fasthttp, and net/http for h2c); netProxy as in front of an https:// or h2c:// one, where
+// net/http serves HTTP/1.x clients too.
 type fuzzBed struct {
-	proxy, check *fasthttputil.InmemoryListener
-	panics       *panics
-	admin        atomic.Int64
-	limiter      *limiter.Limiter
-	mu           sync.Mutex
-	seen         []string // what the upstream read as /admin
+	proxy, netProxy, check *fasthttputil.InmemoryListener
+	panics                 *panics
+	admin                  atomic.Int64
+	limiter                *limiter.Limiter
+	mu                     sync.Mutex
+	seen                   []string // what the upstream read as /admin
 }
 
 var (
@@ -76,7 +78,7 @@ var (
 
 func fuzzServers(t testing.TB) *fuzzBed {
 	bedOnce.Do(func() {
-		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
+		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), netProxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
 		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			// As the upstream resolves the path: decoded by net/http, cleaned as a router does,
 			// and matched by whole segments as the rule's Prefix is.
@@ -105,7 +107,9 @@ func fuzzServers(t testing.TB) *fuzzBed {
 		um := newUpstreamMetrics(prometheus.NewRegistry())
 		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
 		fast.panics = e.panics
-		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard())))(b.proxy)
+		netP := e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard()))
+		e.serveProxy(fast, netP)(b.proxy)
+		e.serveHTTP(netP)(b.netProxy)
 		e.serveCheck(&check{limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
@@ -160,7 +164,8 @@ var rawSeeds = []string{
 	"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
 }
 
-// FuzzProxyHTTP1 sends raw bytes, HTTP/1.0 and 1.1 requests and whatever else, to the proxy.
+// FuzzProxyHTTP1 sends raw bytes, HTTP/1.0 and 1.1 requests and whatever else, to the proxy as
+// it serves each kind of upstream: fasthttp's HTTP/1.1 and net/http's.
 func FuzzProxyHTTP1(f *testing.F) {
 	for _, s := range rawSeeds {
 		f.Add([]byte(s))
@@ -168,6 +173,8 @@ func FuzzProxyHTTP1(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		b := fuzzServers(t)
 		exchange(t, b.proxy, data)
+		b.holds(t, "proxy")
+		exchange(t, b.netProxy, data)
 		b.holds(t, "proxy")
 	})
 }
