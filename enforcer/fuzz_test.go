@@ -330,6 +330,7 @@ func FuzzFrontEndsAgree(f *testing.F) {
 	f.Add("GET", "/admin", "k")
 	f.Add("get", "//admin/../admin/x", "k")
 	f.Add("POST", "/%61dmin?q", "k")
+	f.Add("GET", "/"+strings.Repeat("a", MaxTargetBytes-1), "k") // at the bound, which nginx's absolute URI once passed
 	f.Add("GET", "/"+strings.Repeat("a", MaxTargetBytes), "k")
 	f.Add("GET", "/a", "k")
 	f.Fuzz(func(t *testing.T, method, target, key string) {
@@ -342,7 +343,7 @@ func FuzzFrontEndsAgree(f *testing.F) {
 		}
 		for i := 1; i < len(got); i++ {
 			if got[i][0] != got[0][0] || got[i][1] != got[0][1] {
-				t.Fatalf("%s %q key %q: front ends decide %v (HTTP/1.1 proxy, h2c proxy, check API, RLS)", method, target, key, got)
+				t.Fatalf("%s %q key %q: front ends decide %v (HTTP/1.1 proxy, h2c proxy, check API for Traefik, check API for nginx, RLS)", method, target, key, got)
 			}
 		}
 	})
@@ -374,7 +375,9 @@ func validTarget(s string) bool {
 }
 
 // frontEnds returns one function per front end that decides a request through it, on a limiter
-// of its own, and says 200, 429 or 400 (414 is 400: RLS has one code for both).
+// of its own, and says 200, 429 or 400 (414 is 400: RLS has one code for both). The nginx
+// endpoint gets the target as nginx builds X-Original-URL, after a client's Host whose port does
+// not parse, and its 403 is read as the 429 it stands for.
 func frontEnds(t *testing.T) []func(method, target, key string) int {
 	b := fuzzServers(t) // for its upstream and for the policies
 	fresh := func() *limiter.Limiter {
@@ -401,6 +404,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	h1 := fresh()
 	h2 := fresh()
 	chk := fresh()
+	ngx := &check{limiter: fresh()}
 	rl := fresh()
 	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
 	um := newUpstreamMetrics(prometheus.NewRegistry())
@@ -435,6 +439,17 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 				h.Set("X-Forwarded-Uri", target)
 				h.Set("X-Api-Key", key)
 			})
+		},
+		func(method, target, key string) int {
+			s := fastDecide(ngx.serve, AuthRequestPath, func(h *fasthttp.RequestHeader) {
+				h.Set("X-Original-Method", method)
+				h.Set("X-Original-Url", "http://shop.example:notaport"+target)
+				h.Set("X-Api-Key", key)
+			})
+			if s == http.StatusForbidden {
+				return http.StatusTooManyRequests
+			}
+			return s
 		},
 		func(method, target, key string) int {
 			resp, err := r.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{{
