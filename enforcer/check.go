@@ -93,6 +93,7 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if !holdConn(ctx.Conn(), v.Wait) {
+		c.limiter.Left()
 		ctx.SetConnectionClose() // the caller gave up: nobody reads the answer
 	}
 }

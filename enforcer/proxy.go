@@ -110,6 +110,7 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if !holdConn(ctx.Conn(), v.Wait) {
+		p.limiter.Left()
 		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
 		return
 	}

@@ -20,7 +20,7 @@ import (
 //
 //   - the context: detached from the client and bounded by the store's own deadline. A client
 //     that leaves while its decision is in flight neither fails the store (which would open the
-//     breaker for everyone) nor skips the charge;
+//     breaker for everyone) nor skips the charge; it is counted apart, where the protocol tells;
 //   - the path: the request target decoded, dot segments resolved and repeated slashes merged,
 //     as fasthttp reads it; the query dropped; a path and query over MaxTargetBytes is 414, a
 //     target that is not a path or an absolute URI, or holds a '#', 400;
@@ -41,6 +41,10 @@ type input struct {
 	method, target string
 	header         policy.Header
 	peer           netip.Addr
+	// gone closes when the client leaves, where the protocol tells: an h2c stream reset, a closed
+	// HTTP/1.1 connection under net/http. Nil where it cannot tell without reading the connection
+	// (fasthttp's HTTP/1.1, which learns it while holding a queued request, see holdConn).
+	gone <-chan struct{}
 }
 
 // verdict is the seam's answer.
@@ -67,13 +71,22 @@ func (in *input) request() (limiter.Request, *verdict) {
 	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer}, nil
 }
 
-// decide decides one HTTP request.
+// decide decides one HTTP request, detached from its client; a client that left meanwhile is
+// counted (Limiter.Left).
 func decide(l *limiter.Limiter, in *input) verdict {
 	req, bad := in.request()
 	if bad != nil {
 		return *bad
 	}
-	return judge(l.Decide(context.Background(), &req))
+	v := judge(l.Decide(context.Background(), &req))
+	if in.gone != nil {
+		select {
+		case <-in.gone:
+			l.Left()
+		default:
+		}
+	}
+	return v
 }
 
 // judge gives a limiter's result its HTTP status.
@@ -155,8 +168,9 @@ func (v *verdict) write(set func(name, value string)) []byte {
 }
 
 // hold keeps an allowed request for its wait, as a leaky bucket's queue does, and reports false
-// as soon as gone closes: the client left, nobody reads the answer, and the request is released.
-func hold(wait time.Duration, gone <-chan struct{}) bool {
+// as soon as gone closes: the client left, nobody reads the answer, and the request is released
+// and counted (Limiter.Left).
+func hold(l *limiter.Limiter, wait time.Duration, gone <-chan struct{}) bool {
 	if wait <= 0 {
 		return true
 	}
@@ -166,6 +180,7 @@ func hold(wait time.Duration, gone <-chan struct{}) bool {
 	case <-t.C:
 		return true
 	case <-gone:
+		l.Left()
 		return false
 	}
 }

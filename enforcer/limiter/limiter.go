@@ -533,6 +533,11 @@ func (l *Limiter) cancelled(rules []matched) Result {
 	return Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: rules[0].rule, Policy: rules[0].of.ID}
 }
 
+// Left counts a request whose client left before it was answered, as a front end tells: its
+// decision was made detached from the client (the seam, enforcer/seam.go), so the store neither
+// failed nor was skipped, and nobody reads the answer (sluice_decisions_cancelled_total).
+func (l *Limiter) Left() { l.metrics.cancelled.Inc() }
+
 // failureModes decides when the store cannot: fail-open rules let the request through, and any
 // enforced fail-closed rule refuses it with 503. A cost that an enforced rule can never admit
 // (over its capacity or limit, as hits make it) is refused as never passing first: the store
