@@ -841,7 +841,9 @@ func TestCheckAPIWhenRefusedThenItAnswersLikeTheProxy(t *testing.T) {
 		t.Errorf("body %s (%s), want an application/problem+json naming rule per-client", body, ct)
 	}
 
-	if s := get(t, check, append(from("203.0.113.3", "/a"), "X-Padding", strings.Repeat("x", 70<<10))...).StatusCode; s != http.StatusRequestHeaderFieldsTooLarge {
+	// On a raw connection: Go's client returns the broken pipe of its unfinished write when the
+	// check API closes after its 431, instead of the answer it has received.
+	if s := rawGet(t, e.CheckAddr, enforcer.ForwardAuthPath, 70<<10, "X-Forwarded-Method: GET\r\nX-Forwarded-Uri: /a\r\nX-Forwarded-For: 203.0.113.3\r\n"); s != http.StatusRequestHeaderFieldsTooLarge {
 		t.Errorf("a 70 KiB header: %d, want 431", s)
 	}
 
