@@ -15,11 +15,14 @@ import (
 
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/test/redistest"
 )
 
 // A panic in any request path is answered 500 (gRPC INTERNAL), counted, and the server serves the
@@ -322,5 +325,65 @@ func TestProxyWhenAnIdempotencyKeyIsReusedElsewhereThenItIsCharged(t *testing.T)
 	hidden := "GET /admin HTTP/1.1\r\nHost: x\r\nIdempotency-Key: a\r\nConnection: Idempotency-Key, close\r\n\r\n"
 	if s := rawStatus(t, e.ProxyAddr, hidden); s != http.StatusTooManyRequests {
 		t.Errorf("a key named in Connection: %d, want 429 (no key reaches the upstream, so none is decided)", s)
+	}
+}
+
+// A client that leaves while its request is decided (an h2c stream reset while Redis has not
+// answered) or held in a leaky bucket's queue (h2c, and HTTP/1.1 by a closed connection) is
+// counted apart: the decision completes and is charged as usual, and neither the store errors
+// nor the breaker see it. Redis is stopped while the reset arrives, so the decision is in flight
+// whatever the machine's speed; a PING answered after the reset says the server has read it.
+func TestEnforcerWhenClientsLeaveWhileDecidedOrHeldThenTheyAreCountedApart(t *testing.T) {
+	srv := redistest.NewServer(t)
+	e := start(t, policyDoc("left", `    - name: queue
+      match: {path: {type: Prefix, value: /queue}}
+      leakyBucket: {capacity: 5, drain: {requests: 1, period: 1h}}
+    - name: any
+      match: {path: {type: Prefix, value: /any}}
+      fixedWindow: {limit: 1000, window: 1h}
+`), newUpstream(t), &store.RedisOptions{Addrs: []string{srv.Addr()}, Timeout: 10 * time.Second})
+	left := func() float64 { return metric(t, e.admin, "sluice_decisions_cancelled_total") }
+
+	srv.Pause()
+	c := dialH2C(t, e.ProxyAddr)
+	id := c.send("GET", "/any")
+	_ = c.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	_ = c.fr.WritePing(false, [8]byte{'l', 'e', 'f', 't'})
+	for {
+		f, err := c.fr.ReadFrame()
+		if err != nil {
+			srv.Resume()
+			t.Fatal(err)
+		}
+		if p, ok := f.(*http2.PingFrame); ok && p.IsAck() {
+			break
+		}
+	}
+	srv.Resume()
+	waitUntil(t, "the reset during the decision is counted", func() bool { return left() == 1 })
+	if n := metric(t, e.admin, `sluice_decisions_total{namespace="test",policy="left",result="allowed",rule="any"}`); n != 1 {
+		t.Errorf("the decision of the reset request: %v allowed, want 1: decided and charged", n)
+	}
+
+	c = dialH2C(t, e.ProxyAddr)
+	if s := c.status(c.send("GET", "/queue")); s != http.StatusOK {
+		t.Fatalf("the first queued request: %d", s)
+	}
+	_ = c.fr.WriteRSTStream(c.send("GET", "/queue"), http2.ErrCodeCancel) // held for an hour
+	waitUntil(t, "the reset of a held h2c request is counted", func() bool { return left() == 2 })
+
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.WriteString(conn, "GET /queue HTTP/1.1\r\nHost: x\r\n\r\n") // held for two hours
+	_ = conn.Close()
+	waitUntil(t, "the close of a held HTTP/1.1 request is counted", func() bool { return left() == 3 })
+
+	if n := metric(t, e.admin, `sluice_store_errors_total{cause="unavailable"}`); n != 0 {
+		t.Errorf("%v store errors for clients that left", n)
+	}
+	if metric(t, e.admin, "sluice_store_breaker_open") != 0 {
+		t.Error("the breaker opened")
 	}
 }

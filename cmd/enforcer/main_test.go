@@ -141,7 +141,7 @@ func TestRedisFlagsWhenSentinelThenDecisionsGoToTheMasterItNames(t *testing.T) {
 func TestFlagsWhenAConnectionBoundIsNotPositiveThenRefusedNamingIt(t *testing.T) {
 	for flag, values := range map[string][2]string{
 		"--max-conns": {"1", "0"}, "--max-conns-per-client": {"1", "0"},
-		"--read-timeout": {"1ms", "0s"}, "--write-timeout": {"1ms", "0s"},
+		"--read-timeout": {"1ms", "0s"}, "--write-timeout": {"1ms", "0s"}, "--idle-timeout": {"1ms", "0s"},
 		"--upstream-connect-timeout": {"1ms", "0s"}, "--upstream-response-header-timeout": {"1ms", "0s"}, "--upstream-idle-timeout": {"1ms", "0s"},
 	} {
 		if _, err := parse([]string{"--policy=p.yaml", flag + "=" + values[0]}); err != nil {
