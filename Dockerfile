@@ -5,7 +5,7 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY api/ api/
-COPY buildinfo/ buildinfo/
+COPY internal/ internal/
 COPY cmd/ cmd/
 COPY controllers/ controllers/
 COPY enforcer/ enforcer/
@@ -14,7 +14,7 @@ ARG TARGETOS TARGETARCH
 # The build context has no .git, so Go records no commit: --version and sluice_build_info take
 # VERSION and COMMIT from here (make docker-build passes them).
 ARG VERSION=unknown COMMIT=unknown
-RUN ldflags="-s -X github.com/sluice-dev/sluice/buildinfo.version=${VERSION} -X github.com/sluice-dev/sluice/buildinfo.commit=${COMMIT}" && \
+RUN ldflags="-s -X github.com/sluice-dev/sluice/internal/buildinfo.version=${VERSION} -X github.com/sluice-dev/sluice/internal/buildinfo.commit=${COMMIT}" && \
     CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH} go build -trimpath -ldflags="$ldflags" -o /out/manager ./cmd/manager && \
     CGO_ENABLED=0 GOOS=${TARGETOS:-linux} GOARCH=${TARGETARCH} go build -trimpath -ldflags="$ldflags" -o /out/enforcer ./cmd/enforcer
 

@@ -15,7 +15,7 @@ IMG ?= ghcr.io/sluice-dev/sluice-manager:latest
 # What --version and sluice_build_info report of the binaries and images built here.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo unknown)
 COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
-LDFLAGS := -X github.com/sluice-dev/sluice/buildinfo.version=$(VERSION) -X github.com/sluice-dev/sluice/buildinfo.commit=$(COMMIT)
+LDFLAGS := -X github.com/sluice-dev/sluice/internal/buildinfo.version=$(VERSION) -X github.com/sluice-dev/sluice/internal/buildinfo.commit=$(COMMIT)
 ENFORCER_IMG ?= ghcr.io/sluice-dev/sluice-enforcer:latest
 
 ##@ General

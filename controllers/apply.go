@@ -34,7 +34,7 @@ import (
 	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/internal/render"
 )
 
 // apply brings each rendered object to what server-side apply of its request leaves, and deletes

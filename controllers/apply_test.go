@@ -13,7 +13,7 @@ import (
 	"sigs.k8s.io/structured-merge-diff/v6/value"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/internal/render"
 )
 
 // rendered is a Deployment as render.Enforcer makes it, with CPU and memory limits.

@@ -12,7 +12,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/config/argocd"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // The Argo CD health check, run by gopher-lua (the interpreter Argo CD embeds) on policies read

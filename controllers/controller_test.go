@@ -3,7 +3,7 @@ package controllers_test
 import (
 	"flag"
 
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
 	"errors"
@@ -45,11 +45,11 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
-	"github.com/sluice-dev/sluice/controllers/render"
 	"github.com/sluice-dev/sluice/enforcer"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/redistest"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 var (

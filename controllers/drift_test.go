@@ -21,8 +21,8 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
-	"github.com/sluice-dev/sluice/controllers/render"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // A hand edit of any owned object, or its deletion, is put back within 10 s, and an event says

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // kubectl get rlp prints what the controller wrote: the RULES column is status.ruleNames, which

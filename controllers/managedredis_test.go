@@ -24,9 +24,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
-	"github.com/sluice-dev/sluice/test/redistest"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // mountSecret writes the Secret's keys into a directory as a kubelet mounts a Secret volume

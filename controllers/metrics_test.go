@@ -12,8 +12,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // metric reads a series of the manager's registry, the one its /metrics serves: its value, and

@@ -37,9 +37,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/controllers/render"
-	"github.com/sluice-dev/sluice/enforcer/policy"
-	"github.com/sluice-dev/sluice/enforcer/report"
+	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // FieldOwner is the server-side apply field manager of everything the controller writes.

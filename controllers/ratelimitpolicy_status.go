@@ -11,7 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/enforcer/report"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // observation is what one reconcile learned. Status is a pure function of it.

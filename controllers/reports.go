@@ -15,8 +15,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/sluice-dev/sluice/controllers/render"
-	"github.com/sluice-dev/sluice/enforcer/report"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // ReportFetcher reads the report of the enforcer in a pod.

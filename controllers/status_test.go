@@ -15,7 +15,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/enforcer/report"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 var t0 = time.Unix(1_700_000_000, 0)

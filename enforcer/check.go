@@ -12,7 +12,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/valyala/fasthttp"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 )
 
 // check is the forward-auth API for ingress controllers and gateways: it decides the original

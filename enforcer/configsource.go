@@ -14,7 +14,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/sluice-dev/sluice/enforcer/report"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // ConfigMapSource names the ConfigMap that holds the enforcer's policy file: the controller's

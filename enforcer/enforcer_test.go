@@ -1,7 +1,7 @@
 package enforcer_test
 
 import (
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"bufio"
 	"context"
@@ -28,8 +28,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/sluice-dev/sluice/enforcer"
-	"github.com/sluice-dev/sluice/enforcer/store"
-	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
 // upstream is a real HTTP server that records what reaches it.

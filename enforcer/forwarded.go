@@ -5,7 +5,7 @@ import (
 	"net/netip"
 	"strings"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 )
 
 // What the proxy tells the upstream about the request it received, in X-Forwarded-For, -Host,

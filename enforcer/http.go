@@ -15,8 +15,8 @@ import (
 
 	"github.com/go-logr/logr"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/internal/policy"
 )
 
 // setRateLimitHeaders writes the RateLimit-Policy and RateLimit fields for the rule the result

@@ -15,8 +15,8 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/enforcer/policy"
-	"github.com/sluice-dev/sluice/enforcer/schema"
+	"github.com/sluice-dev/sluice/enforcer/internal/schema"
+	"github.com/sluice-dev/sluice/internal/policy"
 )
 
 // Load compiles the RateLimitPolicy documents of a file, exactly as users apply them with

@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/sluice-dev/sluice/enforcer"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // A standalone policy file never passes through the API server: every policy that the schema or

@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/enforcer/store"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // ingressNginx is nginx configured as ingress-nginx renders an Ingress with the auth-url and

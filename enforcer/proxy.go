@@ -18,7 +18,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/valyala/fasthttp"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 )
 
 // fastProxy is the reverse proxy for HTTP/1.1, on fasthttp: it decides each request, holds

@@ -18,7 +18,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 )
 
 // Descriptor entry keys with a meaning of their own (docs/enforcer.md, "Envoy's rate limit

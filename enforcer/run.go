@@ -25,10 +25,10 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 
-	"github.com/sluice-dev/sluice/buildinfo"
-	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/report"
-	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/buildinfo"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // Config is everything the enforcer needs. cmd/enforcer fills it from flags and environment.
@@ -85,6 +85,13 @@ type Config struct {
 	Now func() time.Time
 	Log logr.Logger
 }
+
+// RedisOptions configure the Redis store of Config.Redis: its topology, addresses, credentials,
+// TLS and the deadline of each call.
+type RedisOptions = store.RedisOptions
+
+// DefaultRedisTimeout bounds each Redis call unless RedisOptions.Timeout says otherwise.
+const DefaultRedisTimeout = store.DefaultTimeout
 
 // Enforcer is a running enforcer.
 type Enforcer struct {

@@ -10,8 +10,8 @@ import (
 
 	"github.com/valyala/fasthttp"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/internal/policy"
 )
 
 // The decision seam. Every front end (the HTTP/1.1 proxy, the h2c proxy, the check API and

@@ -12,9 +12,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/report"
-	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // pingStore pings the store every StorePingInterval and keeps what it learned for the report.

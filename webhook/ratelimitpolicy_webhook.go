@@ -15,7 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/internal/policy"
 )
 
 // Deletes are never intercepted: the verbs are create and update only.

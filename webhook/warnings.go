@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/enforcer/algorithm"
-	"github.com/sluice-dev/sluice/enforcer/policy"
+	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/policy"
 )
 
 // Warnings returns what is legal but probably not what the author meant. kubectl prints each one.

@@ -3,7 +3,7 @@ package webhook_test
 import (
 	"flag"
 
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
 	"fmt"
@@ -31,8 +31,8 @@ import (
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/enforcer/policy"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/webhook"
 )
 

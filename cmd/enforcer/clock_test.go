@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
 const skewPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1

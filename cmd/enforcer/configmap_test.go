@@ -1,7 +1,7 @@
 package main
 
 import (
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
 	"encoding/json"
@@ -23,10 +23,10 @@ import (
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/sluice-dev/sluice/enforcer/report"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/redistest"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 func limitPolicy(limit int) string {

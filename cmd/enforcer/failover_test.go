@@ -2,11 +2,12 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"net/netip"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -15,10 +16,8 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/enforcer"
-	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/store"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
 const failoverPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1
@@ -33,17 +32,23 @@ spec:
       fixedWindow: {limit: 100, window: 1h}
 `
 
-// redisKey is the Redis key of a client of failoverPolicy, to find the node that holds it.
-func redisKey(t *testing.T, client string) string {
+// redisKey is the Redis key of a client of failoverPolicy, to find the node that holds it, as the
+// enforcer's admin endpoint /keys names it.
+func (e *enforcerProcess) redisKey(t *testing.T, client string) string {
 	t.Helper()
-	ps, _, err := enforcer.Load([]byte(failoverPolicy))
+	q := url.Values{"policy": {"test/failover"}, "addr": {"127.0.0.1"}, "header": {"X-Client:" + client}}
+	var reply struct {
+		Rules []struct{ Key string } `json:"rules"`
+	}
+	resp, err := http.Get("http://" + e.admin + enforcer.KeysPath + "?" + q.Encode())
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := ps[0].Rules[0]
-	key := limiter.ClientKey(r.Key, "GET", "/", http.Header{"X-Client": {client}}, netip.Addr{})
-	c := store.Check{Tag: store.Tag(ps[0].ID, key), Rule: r.StateKey}
-	return c.Key()
+	defer func() { _ = resp.Body.Close() }()
+	if err := json.NewDecoder(resp.Body).Decode(&reply); err != nil || len(reply.Rules) != 1 || reply.Rules[0].Key == "" {
+		t.Fatalf("/keys: %+v, %v; want the key of the one rule", reply, err)
+	}
+	return reply.Rules[0].Key
 }
 
 // enforcerProcess runs the enforcer binary with failoverPolicy and the given store flags.
@@ -222,8 +227,9 @@ func TestEnforcerBinaryWhenAClusterMasterIsKilledThenItFollowsThePromotedReplica
 	ctx := context.Background()
 	// The clients of the test all live on one master: the one killed.
 	cc := cluster.Client(t)
+	e := startEnforcer(t, "--redis-cluster="+strings.Join(cluster.Addrs(), ","))
 	owner := func(client string) string {
-		m, err := cc.MasterForKey(ctx, redisKey(t, client))
+		m, err := cc.MasterForKey(ctx, e.redisKey(t, client))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -242,7 +248,6 @@ func TestEnforcerBinaryWhenAClusterMasterIsKilledThenItFollowsThePromotedReplica
 			victim = n
 		}
 	}
-	e := startEnforcer(t, "--redis-cluster="+strings.Join(cluster.Addrs(), ","))
 	checkFailover(t, e, clients[0], clients[1], clients[2], victim.Kill)
 	cc = cluster.Client(t) // a client that reads the slot map afresh
 	if now := owner(clients[0]); now == doomed {

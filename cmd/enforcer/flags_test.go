@@ -15,8 +15,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 const flagsPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1

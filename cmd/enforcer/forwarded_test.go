@@ -8,7 +8,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/internal/test/local"
 )
 
 // forwardedPolicy trusts the proxies of trusted, a CIDR.

@@ -34,9 +34,9 @@ import (
 	"github.com/redis/go-redis/v9"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/sluice-dev/sluice/buildinfo"
+	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer"
-	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/internal/buildinfo"
 )
 
 func main() {
@@ -101,7 +101,7 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
 	fs.StringVar(&usernameFile, "redis-username-file", "", "File holding the Redis username, read at every new connection; replaces REDIS_USERNAME.")
 	fs.StringVar(&passwordFile, "redis-password-file", "", "File holding the Redis password, read at every new connection, so that a rotated mounted Secret takes effect without a restart; replaces REDIS_PASSWORD.")
-	fs.DurationVar(&timeout, "redis-timeout", store.DefaultTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
+	fs.DurationVar(&timeout, "redis-timeout", enforcer.DefaultRedisTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
 	fs.StringVar(&configMap, "configmap", "", "NAMESPACE/NAME of a ConfigMap to watch through the API server, whose key named as the --policy file holds the policy file; the file then serves at start and while the API server cannot be reached.")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
@@ -191,7 +191,7 @@ func parse(args []string) (enforcer.Config, error) {
 	if set > 1 {
 		return cfg, errors.New("--redis-url, --redis-cluster and --redis-sentinel exclude each other")
 	}
-	opts := store.RedisOptions{Timeout: timeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
+	opts := enforcer.RedisOptions{Timeout: timeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
 	if usernameFile != "" || passwordFile != "" {
 		username, password := opts.Username, opts.Password
 		opts.Credentials = func() (string, string) {
@@ -204,17 +204,17 @@ func parse(args []string) (enforcer.Config, error) {
 		if err != nil {
 			return cfg, fmt.Errorf("--redis-url: %w", err)
 		}
-		opts.Mode, opts.Addrs, opts.DB, opts.TLS = store.Standalone, []string{u.Addr}, u.DB, u.TLSConfig
+		opts.Mode, opts.Addrs, opts.DB, opts.TLS = v1alpha1.RedisStandalone, []string{u.Addr}, u.DB, u.TLSConfig
 		if u.Username != "" || u.Password != "" {
 			opts.Username, opts.Password = u.Username, u.Password
 		}
 	case cluster != "":
-		opts.Mode, opts.Addrs = store.Cluster, strings.Split(cluster, ",")
+		opts.Mode, opts.Addrs = v1alpha1.RedisCluster, strings.Split(cluster, ",")
 	case sentinel != "":
 		if master == "" {
 			return cfg, errors.New("--redis-sentinel needs --redis-master")
 		}
-		opts.Mode, opts.Addrs, opts.MasterName = store.Sentinel, strings.Split(sentinel, ","), master
+		opts.Mode, opts.Addrs, opts.MasterName = v1alpha1.RedisSentinel, strings.Split(sentinel, ","), master
 	default:
 		return cfg, nil // memory store
 	}

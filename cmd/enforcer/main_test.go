@@ -2,46 +2,81 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
-	"time"
 
-	"github.com/sluice-dev/sluice/enforcer/algorithm"
-	"github.com/sluice-dev/sluice/enforcer/store"
-	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
-// decide parses the flags, connects the Redis store they describe, and sends five requests against
-// a limit of three. It returns how many passed and the first error.
+// decide parses the flags and runs an enforcer with the Redis store they describe and a policy
+// of a limit of three, then asks its check API five times. It returns how many passed, and the
+// store's error as the enforcer's report gives it when the store is not connected.
 func decide(t *testing.T, flags ...string) (int, error) {
 	t.Helper()
+	file := filepath.Join(t.TempDir(), "policy.yaml")
+	policy := "apiVersion: ratelimit.sluice.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p" + strconv.Itoa(int(policies.Add(1))) +
+		", namespace: ns}\nspec:\n  targetRef: {name: api, port: 80}\n  rules:\n    - name: r\n      fixedWindow: {limit: 3, window: 1h}\n"
+	if err := os.WriteFile(file, []byte(policy), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	// A timeout long enough for go-redis's dial attempts to end in the TLS error itself.
-	cfg, err := parse(append([]string{"--policy=unused.yaml", "--redis-timeout=5s"}, flags...))
+	cfg, err := parse(append([]string{"--policy=" + file, "--redis-timeout=5s", "--listen=",
+		"--check-listen=127.0.0.1:0", "--admin-listen=127.0.0.1:0", "--shutdown-delay=0s"}, flags...))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if cfg.Redis == nil {
 		t.Fatal("no Redis store configured")
 	}
-	s, err := store.NewRedis(*cfg.Redis)
+	ctx, cancel := context.WithCancel(context.Background())
+	e, err := enforcer.Start(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = s.Close() })
-	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 3, Period: time.Hour},
-		Cost: 1, Enforce: true, Tag: "ns/p:" + strings.ReplaceAll(t.Name(), "/", "-"), Rule: "r"}}
-	out := make([]algorithm.Decision, 1)
+	t.Cleanup(func() { cancel(); _ = e.Wait() })
+	var r report.Report
+	if err := getJSON("http://"+e.AdminAddr+report.Path, &r); err != nil {
+		t.Fatal(err)
+	}
+	if !r.Store.Connected {
+		return 0, errors.New(r.Store.Message)
+	}
 	passed := 0
 	for range 5 {
-		ok, err := s.Decide(context.Background(), checks, out)
+		req, _ := http.NewRequest(http.MethodGet, "http://"+e.CheckAddr+enforcer.ForwardAuthPath, nil)
+		req.Header.Set("X-Forwarded-Method", http.MethodGet)
+		req.Header.Set("X-Forwarded-Uri", "/")
+		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			return passed, err
 		}
-		if ok && out[0].Allowed {
+		_ = resp.Body.Close()
+		if resp.StatusCode == http.StatusOK {
 			passed++
 		}
 	}
 	return passed, nil
+}
+
+// policies names each decide's policy apart, so that none shares another's counters.
+var policies atomic.Int32
+
+func getJSON(url string, v any) error {
+	resp, err := http.Get(url) //nolint:gosec // the enforcer's loopback address
+	if err != nil {
+		return err
+	}
+	defer func() { _ = resp.Body.Close() }()
+	return json.NewDecoder(resp.Body).Decode(v)
 }
 
 func TestRedisFlagsWhenRedisSpeaksTLSThenTheStoreVerifiesItsCertificate(t *testing.T) {

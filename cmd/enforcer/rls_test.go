@@ -12,7 +12,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/internal/test/local"
 )
 
 // The binary serves Envoy's rate limit service on --rls-listen, as rendered Deployments run it:

@@ -8,7 +8,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // Every sample users are pointed to runs in the standalone enforcer as it is: the binary serves

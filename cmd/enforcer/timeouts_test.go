@@ -18,7 +18,7 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 	grpcstatus "google.golang.org/grpc/status"
 
-	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/internal/test/local"
 )
 
 // A hung upstream is cut at the response header timeout on both proxies: 504, counted, and the

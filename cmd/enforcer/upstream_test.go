@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/test/local"
+	"github.com/sluice-dev/sluice/internal/test/local"
 )
 
 // The hop to the upstream through the real binary: TLS with a CA of the test's own, HTTP/2 by

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (

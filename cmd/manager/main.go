@@ -29,11 +29,11 @@ import (
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/buildinfo"
 	"github.com/sluice-dev/sluice/controllers"
-	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/internal/buildinfo"
+	"github.com/sluice-dev/sluice/internal/certs"
+	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/webhook"
-	"github.com/sluice-dev/sluice/webhook/certs"
 )
 
 func main() {

@@ -7,7 +7,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/sluice-dev/sluice/controllers/render"
+	"github.com/sluice-dev/sluice/internal/render"
 )
 
 func TestNetworkPolicyFlags(t *testing.T) {

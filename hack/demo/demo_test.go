@@ -1,7 +1,7 @@
 package main_test
 
 import (
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"bufio"
 	"io"
@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // The README's first command must work, and work again: run the demo twice, read its report, and

@@ -32,9 +32,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/testenv"
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // The versions of the third-party CRDs the chart's objects are checked against: the newest

@@ -9,7 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // The bounds of targetRef.bypassProtection admit what is at them; one past each is refused by

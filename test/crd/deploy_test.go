@@ -1,7 +1,7 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"bytes"
 	"context"
@@ -19,7 +19,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // What `make deploy` applies must be accepted by a real API server, in both certificate modes.

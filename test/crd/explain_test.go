@@ -1,7 +1,7 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
 	"os/exec"

@@ -1,7 +1,7 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"bytes"
 	"context"
@@ -24,7 +24,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // Namespace users manage policies with the built-in roles a RoleBinding gives them: config/'s

@@ -24,9 +24,9 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
-	"github.com/sluice-dev/sluice/controllers/render"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/testenv"
+	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // BenchmarkProgrammedAgainstItsCeiling measures how far the manager is from the fastest the test

@@ -22,8 +22,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
 // Status is read from the enforcers themselves: the revision each replica serves, its store's

@@ -13,9 +13,9 @@ import (
 
 	"sigs.k8s.io/yaml"
 
-	"github.com/sluice-dev/sluice/test/local"
-	"github.com/sluice-dev/sluice/test/testenv"
-	"github.com/sluice-dev/sluice/test/tier"
+	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // rulesFile writes the groups of a PrometheusRule, as Prometheus loads them, to dir/rules.yaml.

@@ -1,0 +1,599 @@
+// Package limiter decides HTTP requests against compiled policies: it matches rules, identifies
+// the client, asks the store, and applies each rule's failure mode when the store cannot answer.
+package limiter
+
+import (
+	"context"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"net/netip"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/report"
+)
+
+// Outcome is what happens to a request.
+type Outcome int
+
+// Outcomes.
+const (
+	// Allowed: forward the request, after Wait.
+	Allowed Outcome = iota
+	// Limited: refuse with 429.
+	Limited
+	// Unavailable: the store cannot answer and a fail-closed rule matched; refuse with 503.
+	Unavailable
+	// Invalid: the request cannot be decided as sent (Result.Reason says why); refuse with 400.
+	// Nothing was charged.
+	Invalid
+)
+
+// String names the outcome in logs.
+func (o Outcome) String() string {
+	switch o {
+	case Allowed:
+		return "allowed"
+	case Limited:
+		return "limited"
+	case Unavailable:
+		return "unavailable"
+	case Invalid:
+		return "invalid"
+	}
+	return "outcome " + strconv.Itoa(int(o))
+}
+
+// MaxChecks bounds the rules one decision charges, so that no call is one unbounded store
+// script: a request (or Envoy descriptors) matching more is Invalid.
+const MaxChecks = 64
+
+// Request is what a decision needs from an HTTP request.
+type Request struct {
+	Method string
+	Path   string
+	Header policy.Header
+	// Peer is the TCP peer's address.
+	Peer netip.Addr
+	// Policy, when set, limits the decision to the rules of the policy with this ID.
+	Policy string
+	// Hits multiplies every rule's cost; 0 means 1.
+	Hits int64
+	// KeysRequired limits the decision to the rules all of whose key sources the request
+	// carries: an Envoy descriptor selects the limits whose keys it names.
+	KeysRequired bool
+}
+
+// carries reports whether a request carries every key source of a rule.
+func (req *Request) carries(r *policy.Rule) bool {
+	for _, k := range r.Key {
+		switch k.Type {
+		case v1alpha1.KeyRemoteAddress:
+			if !req.Peer.IsValid() {
+				return false
+			}
+		case v1alpha1.KeyMethod:
+			if req.Method == "" {
+				return false
+			}
+		case v1alpha1.KeyPath:
+			if req.Path == "" {
+				return false
+			}
+		case v1alpha1.KeyHeader:
+			if len(req.Header.Values(k.Header)) == 0 {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// Result is the decision on one request.
+type Result struct {
+	Outcome Outcome
+	// Wait is how long to hold an allowed request (leaky-bucket rules).
+	Wait time.Duration
+	// RetryAfter is, for a refusal, when the same request may pass.
+	RetryAfter time.Duration
+	// Never is, for a refusal, that the same request can never pass: its cost (the rule's cost
+	// times Hits) exceeds an enforced rule's capacity or limit. RetryAfter is then 0, and a front
+	// end sends no Retry-After, which would promise otherwise.
+	Never bool
+	// Rule is the rule the response's RateLimit headers describe: the refusing rule, or the
+	// enforced rule closest to its limit. Nil when no enforced rule has a decision to show.
+	Rule *policy.Rule
+	// Policy is the ID of Rule's policy.
+	Policy string
+	// Decision is Rule's decision.
+	Decision algorithm.Decision
+	// Reason says why an Invalid request cannot be decided.
+	Reason string
+}
+
+// Limiter decides requests. It is safe for concurrent use; SetPolicies swaps the rules without
+// disturbing requests in flight.
+type Limiter struct {
+	policies atomic.Pointer[[]*policy.Policy]
+	store    store.Store
+	breaker  *breaker
+	refusals *refusalCache
+	metrics  *Metrics
+	now      func() time.Time
+	log      logr.Logger
+	// faulty holds the "<policy>/<rule>" of every rule whose decision has failed with a fault, so
+	// each is logged once.
+	faulty sync.Map
+}
+
+// Options configure a Limiter.
+type Options struct {
+	Store   store.Store
+	Metrics *Metrics
+	// Breaker guards a remote store: after BreakerFailures consecutive failures, decisions stop
+	// waiting for the store for BreakerOpen, and rules apply their failure modes at once. Then one
+	// probe decides whether the store is back. Zero BreakerFailures disables it (memory store).
+	BreakerFailures uint32
+	BreakerOpen     time.Duration
+	// RefusalCache, for a remote store, answers a key locally until the moment the store said
+	// it is refused until.
+	RefusalCache bool
+	Now          func() time.Time
+	// Log receives the first fault of each rule (see store.ErrFault).
+	Log logr.Logger
+}
+
+// New returns a limiter with no policies.
+func New(opts Options) *Limiter {
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Metrics == nil {
+		opts.Metrics = NewMetrics(nil)
+	}
+	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now, log: opts.Log}
+	if opts.BreakerFailures > 0 {
+		l.breaker = &breaker{failures: opts.BreakerFailures, open: opts.BreakerOpen, now: opts.Now, changed: func(skipping bool) {
+			opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[skipping])
+		}}
+	}
+	if opts.RefusalCache {
+		l.refusals = newRefusalCache(100_000)
+	}
+	empty := []*policy.Policy{}
+	l.policies.Store(&empty)
+	return l
+}
+
+// SetPolicies replaces the policies. Counters live in the store under the policies' and rules'
+// names, so unchanged rules keep their state. The refusal cache is emptied: a refusal under the
+// old rules says nothing about the new ones.
+func (l *Limiter) SetPolicies(ps []*policy.Policy) {
+	l.policies.Store(&ps)
+	l.refusals.clear()
+	l.metrics.serve(ps)
+}
+
+// Policies are the policies in force.
+func (l *Limiter) Policies() []*policy.Policy { return *l.policies.Load() }
+
+// BreakerOpen reports whether decisions skip the store for now (open) or wait for one probe
+// (half-open).
+func (l *Limiter) BreakerOpen() bool {
+	return l.breaker != nil && l.breaker.skipping()
+}
+
+// Counters are the decisions of each rule since the limiter was created.
+func (l *Limiter) Counters() map[RuleKey]report.Counters { return l.metrics.Counters() }
+
+type matched struct {
+	rule *policy.Rule
+	of   *policy.Policy
+}
+
+// decideBufs hold one decision's checks, rules and decisions. They reach the store through an
+// interface, so arrays on Decide's stack would escape, a kilobyte of garbage per request; a pool
+// keeps them. Nothing keeps a reference once Decide returns: the Redis store copies what it
+// sends, and the refusal cache copies the keys.
+type decideBufs struct {
+	checks [8]store.Check
+	rules  [8]matched
+	out    [8]algorithm.Decision
+}
+
+var bufPool = sync.Pool{New: func() any { return new(decideBufs) }}
+
+// Decide decides one request. A refusal is logged at V(1) (the enforcer's --log-level=debug), one
+// line each, naming its policy and rule, never the client.
+func (l *Limiter) Decide(ctx context.Context, req *Request) Result {
+	res := l.decideOne(ctx, req)
+	if res.Outcome != Allowed {
+		if log := l.log.V(1); log.Enabled() {
+			args := []any{"outcome", res.Outcome.String(), "method", req.Method, "path", req.Path}
+			if res.Rule != nil {
+				args = append(args, "policy", res.Policy, "rule", res.Rule.Name, "retryAfter", res.RetryAfter.String())
+			}
+			if res.Reason != "" {
+				args = append(args, "reason", res.Reason)
+			}
+			log.Info("Request refused", args...)
+		}
+	}
+	return res
+}
+
+func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
+	bufs := bufPool.Get().(*decideBufs)
+	defer func() {
+		*bufs = decideBufs{} // no strings or rules kept alive by the pool
+		bufPool.Put(bufs)
+	}()
+	checks, rules, idemKey, invalid := l.collect(req, bufs.checks[:0], bufs.rules[:0])
+	if invalid != "" {
+		return Result{Outcome: Invalid, Reason: invalid}
+	}
+	if len(checks) == 0 {
+		return Result{Outcome: Allowed}
+	}
+
+	// A request that names its repeats is always asked of the store: a repeat of an admitted
+	// request passes whatever the limits say now, and a refusal the store forced on a repeat
+	// says nothing of the client's other requests, so neither may touch the refusal cache.
+	cache := idemKey == ""
+	if cache {
+		if res, ok := l.cachedRefusal(checks, rules); ok {
+			return jitter(res)
+		}
+	}
+
+	out := bufs.out[:0]
+	if len(checks) > len(bufs.out) {
+		out = make([]algorithm.Decision, 0, len(checks))
+	}
+	out = out[:len(checks)]
+	start := time.Now()
+	charged, err := l.decide(ctx, checks, out)
+	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
+	if err != nil {
+		if cancelled(ctx, err) {
+			return l.cancelled(rules)
+		}
+		return l.failureModes(rules, err)
+	}
+	return jitter(l.result(checks, rules, out, charged, cache))
+}
+
+// collect appends the checks and rules of the rules that match a request, and returns the first
+// idempotency key the request sends to a policy that asks for one. A request that repeats a
+// header a matching rule keys on, or its policy's idempotency header, cannot be decided: the
+// upstream reads one of the values, and which one is not ours to guess. invalid says why.
+func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (_ []store.Check, _ []matched, idemKey, invalid string) {
+	hits := max(1, req.Hits)
+	for _, p := range *l.policies.Load() {
+		if req.Policy != "" && p.ID != req.Policy {
+			continue
+		}
+		var addr netip.Addr
+		var idemValue string
+		if p.Idempotency != nil {
+			v := req.Header.Values(p.Idempotency.Header)
+			if len(v) > 1 {
+				return checks, rules, "", repeated(p.Idempotency.Header, "")
+			}
+			if len(v) > 0 && v[0] != "" {
+				idemValue = v[0]
+				if idemKey == "" {
+					idemKey = v[0]
+				}
+			}
+		}
+		var idem *store.Idempotency
+		var lastKey, lastTag string // rules of a policy often share their client key
+		for i := range p.Rules {
+			r := &p.Rules[i]
+			if !r.Match.Matches(req.Method, req.Path, req.Header) || req.KeysRequired && !req.carries(r) {
+				continue
+			}
+			if name := RepeatedKeyHeader(r.Key, req.Header); name != "" {
+				return checks, rules, "", repeated(name, r.Name)
+			}
+			if !addr.IsValid() {
+				addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
+			}
+			if idemValue != "" && idem == nil {
+				// The record is this policy's (its checks' tags) and this client's: the key is
+				// hashed with the client's address, so clients that send the same key never
+				// share a record, even under a rule that has no client key.
+				// The request is part of the identity too: a key first sent with one request
+				// makes no other request (another route under the same client key) a repeat.
+				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()+" "+req.Method+" "+req.Path), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
+			}
+			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
+				lastKey, lastTag = key, store.Tag(p.ID, key)
+			}
+			if len(checks) == MaxChecks {
+				return checks, rules, "", "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
+			}
+			checks = append(checks, store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
+			rules = append(rules, matched{r, p})
+		}
+	}
+	return checks, rules, idemKey, ""
+}
+
+// repeated says that a header was sent more than once, and which rule keys on it ("" for the
+// idempotency header).
+func repeated(header, rule string) string {
+	if rule == "" {
+		return "header " + header + " is sent more than once; the idempotency key must be one value"
+	}
+	return "header " + header + " is sent more than once; rule " + strconv.Quote(rule) + " keys clients on it and needs one value"
+}
+
+// mulCost is cost times hits, saturated at math.MaxInt64 instead of wrapping: a product that
+// large exceeds every limit, and the store refuses it as one that can never pass.
+func mulCost(cost, hits int64) int64 {
+	if cost <= 0 || hits <= 0 {
+		return max(0, cost) * max(0, hits)
+	}
+	if cost > math.MaxInt64/hits {
+		return math.MaxInt64
+	}
+	return cost * hits
+}
+
+// outranks reports whether refusal a is the one to report rather than b: one that can never pass
+// first, then the longest Retry-After.
+func outranks(a, b *Result) bool {
+	if a.Never != b.Never {
+		return a.Never
+	}
+	return a.RetryAfter > b.RetryAfter
+}
+
+// DecideAll decides several requests as one: every rule that matches any of them is checked, and
+// all are charged or none (Envoy's rate limit service asks for one request's descriptors so). It
+// returns each request's result and the overall one: the refusal with the longest Retry-After,
+// or else the first request's.
+func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Result) {
+	var checks []store.Check
+	var rules []matched
+	bounds := make([]int, len(reqs)+1)
+	idem := false
+	per := make([]Result, len(reqs))
+	for i := range reqs {
+		var key, invalid string
+		checks, rules, key, invalid = l.collect(&reqs[i], checks, rules)
+		if invalid != "" {
+			res := Result{Outcome: Invalid, Reason: invalid}
+			for j := range per {
+				per[j] = res
+			}
+			return per, res
+		}
+		bounds[i+1], idem = len(checks), idem || key != ""
+	}
+	if len(checks) == 0 {
+		for i := range per {
+			per[i] = Result{Outcome: Allowed}
+		}
+		return per, Result{Outcome: Allowed}
+	}
+	merged, same := mergeRepeats(checks)
+	out := make([]algorithm.Decision, len(merged))
+	start := time.Now()
+	charged, err := l.decide(ctx, merged, out)
+	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
+	out = spread(out, same)
+	// A refusal is cached for its check's cost; a merged check was refused at the sum of several.
+	cache := !idem && len(merged) == len(checks)
+	if err != nil && cancelled(ctx, err) {
+		res := l.cancelled(rules)
+		for i := range per {
+			per[i] = res
+		}
+		return per, res
+	}
+	overall := Result{Outcome: Allowed}
+	for i := range reqs {
+		b, e := bounds[i], bounds[i+1]
+		switch {
+		case b == e:
+			per[i] = Result{Outcome: Allowed}
+		case err != nil:
+			per[i] = l.failureModes(rules[b:e], err)
+		default:
+			per[i] = jitter(l.result(checks[b:e], rules[b:e], out[b:e], charged, cache))
+		}
+		switch r := per[i]; {
+		case r.Outcome == Unavailable && overall.Outcome != Unavailable,
+			r.Outcome == Limited && (overall.Outcome == Allowed || overall.Outcome == Limited && outranks(&r, &overall)):
+			overall = r
+		case i == 0:
+			overall = r
+		}
+	}
+	return per, overall
+}
+
+// mergeRepeats folds the checks of one rule and one client that several requests of a DecideAll
+// share (Envoy descriptors that repeat each other) into one check of their summed cost: the store
+// decides each check against the state from before the call, so two checks of one counter would
+// charge it once. same[i] is the index in merged of checks[i]; merged is checks itself when
+// nothing repeats.
+func mergeRepeats(checks []store.Check) (merged []store.Check, same []int) {
+	type counter struct{ tag, rule string }
+	seen := make(map[counter]int, len(checks))
+	same = make([]int, len(checks))
+	for i := range checks {
+		c := counter{checks[i].Tag, checks[i].Rule}
+		j, ok := seen[c]
+		if !ok {
+			seen[c], same[i] = len(merged), len(merged)
+			merged = append(merged, checks[i])
+			continue
+		}
+		same[i] = j
+		merged[j].Cost = addCost(merged[j].Cost, checks[i].Cost)
+		merged[j].Idempotency = nil // a summed charge is no one request's repeat
+	}
+	return merged, same
+}
+
+// spread gives every check the decision of the merged check it went into.
+func spread(out []algorithm.Decision, same []int) []algorithm.Decision {
+	all := make([]algorithm.Decision, len(same))
+	for i, j := range same {
+		all[i] = out[j]
+	}
+	return all
+}
+
+// addCost adds two costs, saturated at math.MaxInt64 as mulCost multiplies them.
+func addCost(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
+// jitter adds to a refusal's Retry-After, and to the reset its RateLimit field names, a random
+// share of up to its policy's spec.retries.retryAfterJitterPercent: clients refused together come
+// back spread out. Later than the limit requires is still honest: a request sent then passes.
+func jitter(res Result) Result {
+	if res.Outcome != Limited || res.Rule == nil || res.Rule.RetryJitter <= 0 {
+		return res
+	}
+	extra := time.Duration(rand.Float64() * res.Rule.RetryJitter * float64(res.RetryAfter))
+	res.RetryAfter += extra
+	res.Decision.RetryAfter = res.RetryAfter
+	res.Decision.Reset = max(res.Decision.Reset, res.RetryAfter)
+	return res
+}
+
+func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algorithm.Decision) (bool, error) {
+	if l.breaker == nil {
+		return l.store.Decide(ctx, checks, out)
+	}
+	if err := l.breaker.allow(); err != nil {
+		return false, err
+	}
+	charged, err := l.store.Decide(ctx, checks, out)
+	if err != nil && cancelled(ctx, err) {
+		l.breaker.abandon()
+		return charged, err
+	}
+	l.breaker.done(err)
+	return charged, err
+}
+
+// cancelled reports whether a decision failed because its caller cancelled ctx (the client
+// left), rather than because the store failed: the store's own deadline, or any deadline, is
+// DeadlineExceeded and still a failure.
+func cancelled(ctx context.Context, err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(ctx.Err(), context.Canceled)
+}
+
+// cancelled is the result of a decision whose client left before the store answered. It is
+// neither a success nor a failure: it is counted (sluice_decisions_cancelled_total) and nothing
+// else, neither as a store error nor as a rule's decision, and the breaker does not see it. It
+// refuses (Unavailable, naming the first rule): nobody reads the answer, and a request whose
+// client left is not to be forwarded undecided.
+func (l *Limiter) cancelled(rules []matched) Result {
+	l.metrics.cancelled.Inc()
+	return Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: rules[0].rule, Policy: rules[0].of.ID}
+}
+
+// failureModes decides when the store cannot: fail-open rules let the request through, and any
+// enforced fail-closed rule refuses it with 503.
+func (l *Limiter) failureModes(rules []matched, err error) Result {
+	switch {
+	case errors.Is(err, store.ErrFault):
+		l.metrics.storeErrors.WithLabelValues(causeFault).Inc()
+		for _, m := range rules {
+			if _, seen := l.faulty.LoadOrStore(m.of.ID+"/"+m.rule.Name, true); !seen {
+				l.log.Error(err, "A rule's decision failed in the store; it applies its failure mode until fixed. Logged once per rule",
+					"policy", m.of.ID, "rule", m.rule.Name, "failOpen", !m.rule.Enforce || m.rule.FailOpen)
+			}
+		}
+	case !errors.Is(err, errBreakerOpen):
+		l.metrics.storeErrors.WithLabelValues(causeUnavailable).Inc()
+	}
+	res := Result{Outcome: Allowed}
+	for _, m := range rules {
+		switch {
+		case !m.rule.Enforce || m.rule.FailOpen:
+			l.metrics.decision(m.of, m.rule.Name, resultFailedOpen)
+		default:
+			l.metrics.decision(m.of, m.rule.Name, resultFailedClosed)
+			res = Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: m.rule, Policy: m.of.ID}
+		}
+	}
+	return res
+}
+
+func (l *Limiter) result(checks []store.Check, rules []matched, out []algorithm.Decision, charged, cache bool) Result {
+	res := Result{Outcome: Allowed}
+	closest := 2.0
+	for i, m := range rules {
+		d := out[i]
+		switch {
+		case !m.rule.Enforce:
+			if d.Allowed {
+				l.metrics.decision(m.of, m.rule.Name, resultAllowed)
+			} else {
+				l.metrics.decision(m.of, m.rule.Name, resultShadowLimited)
+			}
+			continue
+		case !d.Allowed:
+			l.metrics.decision(m.of, m.rule.Name, resultLimited)
+			if r := (Result{Outcome: Limited, RetryAfter: d.RetryAfter, Never: d.Never, Rule: m.rule, Policy: m.of.ID, Decision: d}); res.Outcome != Limited || outranks(&r, &res) {
+				res = r
+			}
+			if cache {
+				l.refusals.put(&checks[i], d, l.now())
+			}
+		case charged:
+			l.metrics.decision(m.of, m.rule.Name, resultAllowed)
+		}
+		if charged {
+			res.Wait = max(res.Wait, d.Wait)
+			if share := float64(d.Remaining) / float64(d.Limit); share < closest {
+				closest = share
+				res.Rule, res.Policy, res.Decision = m.rule, m.of.ID, d
+			}
+		}
+	}
+	return res
+}
+
+// cachedRefusal answers from the refusal cache when an enforced rule of the request is known to
+// refuse it: the store said so, for the same or a lower cost, and the moment it named has not
+// come. Nothing else can make that rule admit the request sooner.
+func (l *Limiter) cachedRefusal(checks []store.Check, rules []matched) (Result, bool) {
+	if l.refusals == nil {
+		return Result{}, false
+	}
+	now := l.now()
+	for i := range checks {
+		if !checks[i].Enforce {
+			continue
+		}
+		if d, ok := l.refusals.get(&checks[i], now); ok {
+			m := rules[i]
+			l.metrics.decision(m.of, m.rule.Name, resultLimited)
+			l.metrics.cacheHits.Inc()
+			return Result{Outcome: Limited, RetryAfter: d.RetryAfter, Rule: m.rule, Policy: m.of.ID, Decision: d}, true
+		}
+	}
+	return Result{}, false
+}

@@ -1,0 +1,158 @@
+package limiter
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/report"
+)
+
+// Causes of store errors, the values of the cause label.
+const (
+	causeUnavailable = "unavailable"
+	causeFault       = "fault"
+)
+
+// Decision results, the values of the result label.
+const (
+	resultAllowed       = "allowed"
+	resultLimited       = "limited"
+	resultShadowLimited = "shadow_limited"
+	resultFailedOpen    = "failed_open"
+	resultFailedClosed  = "failed_closed"
+)
+
+// Metrics are the limiter's Prometheus metrics. Labels name policies (namespace and policy, the
+// name, apart, as kube-state-metrics names objects), rules and results, never client keys or
+// addresses.
+type Metrics struct {
+	decisions    *prometheus.CounterVec
+	storeLatency prometheus.Histogram
+	storeErrors  *prometheus.CounterVec
+	cacheHits    prometheus.Counter
+	cancelled    prometheus.Counter
+	breakerOpen  prometheus.Gauge
+	policyInfo   *prometheus.GaugeVec
+}
+
+// NewMetrics creates the metrics and registers them with reg, if reg is not nil.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sluice_decisions_total",
+			Help: "Rule decisions by policy (namespace and policy, its name), rule and result (allowed, limited, shadow_limited, failed_open, failed_closed).",
+		}, []string{"namespace", "policy", "rule", "result"}),
+		storeLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "sluice_store_latency_seconds",
+			Help:    "Latency of one store decision, all rules of a request together.",
+			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25},
+		}),
+		storeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sluice_store_errors_total",
+			Help: "Store decisions that failed, after which rules applied their failure modes, by cause: unavailable (timeouts, refused connections, a server that cannot serve) or fault (a script error, a key of the wrong type: a bug or a configuration problem of the decision's rules).",
+		}, []string{"cause"}),
+		cacheHits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "sluice_refusal_cache_hits_total",
+			Help: "Requests refused from the local refusal cache without asking the store.",
+		}),
+		cancelled: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "sluice_decisions_cancelled_total",
+			Help: "Decisions whose client left (its context cancelled) before the store answered: neither a store error nor a rule's decision, and never counted by the breaker.",
+		}),
+		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "sluice_store_breaker_open",
+			Help: "1 while the store circuit breaker is open or probing, 0 while closed.",
+		}),
+		policyInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "sluice_enforcer_policy_info",
+			Help: "1 for each policy the enforcer serves, by namespace and policy (its name): joins its per-pod series (store latency, breaker, reloads) to policies.",
+		}, []string{"namespace", "policy"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.cancelled, m.breakerOpen, m.policyInfo)
+	}
+	for _, cause := range []string{causeUnavailable, causeFault} {
+		m.storeErrors.WithLabelValues(cause)
+	}
+	return m
+}
+
+// results are the values of the result label.
+var results = []string{resultAllowed, resultLimited, resultShadowLimited, resultFailedOpen, resultFailedClosed}
+
+// serve records the policies in force: sluice_enforcer_policy_info names them; their rules'
+// decision series exist at zero, so that an alert on increase() sees a rule's first
+// failed_closed decision rather than the series' birth; and the series of rules no longer in
+// force are dropped, so that dashboards do not show them.
+func (m *Metrics) serve(ps []*policy.Policy) {
+	keep := map[RuleKey]bool{}
+	m.policyInfo.Reset()
+	for _, p := range ps {
+		m.policyInfo.WithLabelValues(p.Namespace, p.Name).Set(1)
+		for i := range p.Rules {
+			keep[RuleKey{p.Namespace, p.Name, p.Rules[i].Name}] = true
+			for _, res := range results {
+				m.decisions.WithLabelValues(p.Namespace, p.Name, p.Rules[i].Name, res)
+			}
+		}
+	}
+	for k := range m.Counters() {
+		if !keep[k] {
+			m.decisions.DeletePartialMatch(prometheus.Labels{"namespace": k.Namespace, "policy": k.Policy, "rule": k.Rule})
+		}
+	}
+}
+
+func (m *Metrics) decision(p *policy.Policy, rule, result string) {
+	m.decisions.WithLabelValues(p.Namespace, p.Name, rule, result).Inc()
+}
+
+// RuleKey names a rule: its policy's namespace and name, and its own name.
+type RuleKey struct{ Namespace, Policy, Rule string }
+
+// Counters reads sluice_decisions_total back, per rule, for the enforcer's report: the metric
+// is the one count of decisions, so the report and Prometheus cannot disagree.
+func (m *Metrics) Counters() map[RuleKey]report.Counters {
+	ch := make(chan prometheus.Metric)
+	go func() {
+		m.decisions.Collect(ch)
+		close(ch)
+	}()
+	out := map[RuleKey]report.Counters{}
+	for metric := range ch {
+		var pb dto.Metric
+		if err := metric.Write(&pb); err != nil {
+			continue
+		}
+		var k RuleKey
+		var result string
+		for _, l := range pb.GetLabel() {
+			switch l.GetName() {
+			case "namespace":
+				k.Namespace = l.GetValue()
+			case "policy":
+				k.Policy = l.GetValue()
+			case "rule":
+				k.Rule = l.GetValue()
+			case "result":
+				result = l.GetValue()
+			}
+		}
+		c, n := out[k], uint64(pb.GetCounter().GetValue())
+		switch result {
+		case resultAllowed:
+			c.Allowed += n
+		case resultLimited:
+			c.Limited += n
+		case resultShadowLimited:
+			c.ShadowLimited += n
+		case resultFailedOpen:
+			c.FailedOpen += n
+		case resultFailedClosed:
+			c.FailedClosed += n
+		}
+		out[k] = c
+	}
+	return out
+}

@@ -1,0 +1,250 @@
+package store_test
+
+import (
+	"context"
+	"crypto/sha1"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"golang.org/x/time/rate"
+
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
+)
+
+var hotLimit = algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 1 << 40, Rate: 1 << 40, Period: time.Second}
+
+func BenchmarkMemoryHotKey(b *testing.B) {
+	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1})
+	defer func() { _ = s.Close() }()
+	checks := []store.Check{{Limit: hotLimit, Cost: 1, Enforce: true, Tag: "bench:hot", Rule: "r"}}
+	out := make([]algorithm.Decision, 1)
+	b.ReportAllocs()
+	for b.Loop() {
+		_, _ = s.Decide(context.Background(), checks, out)
+	}
+}
+
+func BenchmarkXTimeRateHotKey(b *testing.B) {
+	l := rate.NewLimiter(rate.Limit(1<<40), 1<<40)
+	b.ReportAllocs()
+	for b.Loop() {
+		_ = l.Allow()
+	}
+}
+
+const manyKeys = 1_000_000
+
+func BenchmarkMemoryMillionKeys(b *testing.B) {
+	s := store.NewMemory(store.MemoryOptions{MaxKeys: 2 * manyKeys, SweepInterval: -1})
+	defer func() { _ = s.Close() }()
+	tags := make([]string, manyKeys)
+	for i := range tags {
+		tags[i] = store.Tag("bench/many", strconv.Itoa(i))
+	}
+	checks := []store.Check{{Limit: hotLimit, Cost: 1, Enforce: true, Rule: "r"}}
+	out := make([]algorithm.Decision, 1)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		checks[0].Tag = tags[i%manyKeys]
+		_, _ = s.Decide(context.Background(), checks, out)
+		i++
+	}
+	b.ReportMetric(float64(s.Len()), "keys")
+}
+
+// x/time/rate has no keyed store; the usual pairing is a map of limiters under a mutex.
+func BenchmarkXTimeRateMillionKeys(b *testing.B) {
+	var mu sync.Mutex
+	limiters := make(map[string]*rate.Limiter)
+	keys := make([]string, manyKeys)
+	for i := range keys {
+		keys[i] = store.Tag("bench/many", strconv.Itoa(i))
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		k := keys[i%manyKeys]
+		mu.Lock()
+		l := limiters[k]
+		if l == nil {
+			l = rate.NewLimiter(rate.Limit(1<<40), 1<<40)
+			limiters[k] = l
+		}
+		mu.Unlock()
+		_ = l.Allow()
+		i++
+	}
+}
+
+// BenchmarkRedisDecide measures decisions per second at concurrency 64 on one standalone Redis,
+// and the Redis commands each decision costs, for 1 and for 5 rules on one key.
+func BenchmarkRedisDecide(b *testing.B) {
+	for _, rules := range []int{1, 5} {
+		b.Run(fmt.Sprintf("rules=%d", rules), func(b *testing.B) {
+			s, err := store.NewRedis(store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: time.Second, PoolSize: 64})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer func() { _ = s.Close() }()
+			kinds := allKinds(1<<30, time.Hour)
+			admin := redis.NewClient(&redis.Options{Addr: standalone.Addr()})
+			defer func() { _ = admin.Close() }()
+			var seq, failed, roundTrips atomic.Int64
+			s.Client().AddHook(countHook{&roundTrips})
+			before := scriptCalls(b, admin)
+			b.SetParallelism(64 / max(1, runtimeProcs()))
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				checks := make([]store.Check, rules)
+				out := make([]algorithm.Decision, rules)
+				for pb.Next() {
+					tag := store.Tag("bench/redis", strconv.FormatInt(seq.Add(1)%100_000, 10))
+					for i := range checks {
+						checks[i] = store.Check{Limit: kinds[i%len(kinds)], Cost: 1, Enforce: true, Tag: tag, Rule: "r" + strconv.Itoa(i)}
+					}
+					if _, err := s.Decide(context.Background(), checks, out); err != nil {
+						failed.Add(1)
+					}
+				}
+			})
+			b.StopTimer()
+			calls := scriptCalls(b, admin) - before
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+			b.ReportMetric(float64(calls)/float64(b.N), "script-calls/decision")
+			b.ReportMetric(float64(roundTrips.Load())/float64(b.N), "round-trips/decision")
+			if failed.Load() > 0 {
+				b.Fatalf("%d decisions failed", failed.Load())
+			}
+		})
+	}
+}
+
+func runtimeProcs() int {
+	n, _ := strconv.Atoi(os.Getenv("GOMAXPROCS"))
+	if n > 0 {
+		return n
+	}
+	return 2
+}
+
+// BenchmarkRedisBenchmarkCeiling runs redis-benchmark with 64 connections against the same
+// Redis, calling the same script by EVALSHA with the arguments BenchmarkRedisDecide/rules=1
+// sends (one token-bucket rule, 100,000 client keys): the ceiling a Go client can approach.
+func BenchmarkRedisBenchmarkCeiling(b *testing.B) {
+	data, err := os.ReadFile("scripts/decide.lua")
+	if err != nil {
+		b.Fatal(err)
+	}
+	sum := sha1.Sum(data)
+	sha := hex.EncodeToString(sum[:])
+	admin := redis.NewClient(&redis.Options{Addr: standalone.Addr()})
+	defer func() { _ = admin.Close() }()
+	if got, err := admin.ScriptLoad(context.Background(), string(data)).Result(); err != nil || got != sha {
+		b.Fatalf("load script: %v %s", err, got)
+	}
+	host, port, _ := strings.Cut(standalone.Addr(), ":")
+	const n = 200_000
+	b.ResetTimer()
+	for b.Loop() {
+		out, err := exec.Command("redis-benchmark", "-h", host, "-p", port, "-c", "64", "-n", strconv.Itoa(n), "-r", "100000", "-q",
+			"EVALSHA", sha, "1", "sl{c__rand_int__}AbCdEfGh", "", "id", "", "1", "1073741824", "1073741824", "3600000000", "0", "1", "1").CombinedOutput()
+		if err != nil {
+			b.Fatalf("redis-benchmark: %v: %s", err, out)
+		}
+		m := regexp.MustCompile(`([0-9.]+) requests per second`).FindSubmatch(out)
+		if m == nil {
+			b.Fatalf("redis-benchmark printed no rate: %s", out)
+		}
+		rps, _ := strconv.ParseFloat(string(m[1]), 64)
+		b.ReportMetric(rps, "decisions/s")
+	}
+}
+
+// BenchmarkRedisMemoryPerKey writes 100,000 client keys per algorithm and reports the Redis
+// memory each takes: MEMORY USAGE averaged over the keys, and the growth of used_memory per key
+// (which includes the keyspace's own overhead). The sliding log holds 100 entries per key, one
+// per admitted request whatever its cost, so each of its keys gets 100 requests of cost 1: 2,000
+// keys, not to make the run a hundred times longer.
+func BenchmarkRedisMemoryPerKey(b *testing.B) {
+	for _, l := range allKinds(100, time.Hour) {
+		b.Run(l.Kind.String(), func(b *testing.B) {
+			keys, requests := int64(100_000), 1
+			if l.Kind == algorithm.SlidingLog {
+				keys, requests = 2_000, 100
+			}
+			for b.Loop() {
+				srv := startFresh(b)
+				s, err := store.NewRedis(store.RedisOptions{Addrs: []string{srv}, Timeout: time.Second, PoolSize: 64})
+				if err != nil {
+					b.Fatal(err)
+				}
+				c := redis.NewClient(&redis.Options{Addr: srv})
+				before := usedMemory(b, c)
+				var next atomic.Int64
+				var wg sync.WaitGroup
+				for range 64 {
+					wg.Go(func() {
+						out := make([]algorithm.Decision, 1)
+						for i := next.Add(1); i <= keys; i = next.Add(1) {
+							checks := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: store.Tag("bench/mem", strconv.FormatInt(i, 10)), Rule: policy.RuleID("bench/mem", "per-client", l.Layout())}}
+							for range requests {
+								if _, err := s.Decide(context.Background(), checks, out); err != nil {
+									b.Error(err)
+									return
+								}
+							}
+						}
+					})
+				}
+				wg.Wait()
+				growth := float64(usedMemory(b, c)-before) / float64(keys)
+				var usage int64
+				const sample = 2000
+				for i := range sample {
+					k := store.Check{Tag: store.Tag("bench/mem", strconv.Itoa(i+1)), Rule: policy.RuleID("bench/mem", "per-client", l.Layout())}
+					usage += c.MemoryUsage(context.Background(), k.Key()).Val()
+				}
+				b.ReportMetric(float64(usage)/sample, "MEMORY-USAGE-B/key")
+				b.ReportMetric(growth, "used_memory-B/key")
+				_ = c.Close()
+				_ = s.Close()
+			}
+		})
+	}
+}
+
+func usedMemory(b *testing.B, c *redis.Client) int64 {
+	info, err := c.Info(context.Background(), "memory").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	m := regexp.MustCompile(`used_memory:(\d+)`).FindStringSubmatch(info)
+	n, _ := strconv.ParseInt(m[1], 10, 64)
+	return n
+}
+
+// startFresh starts an empty Redis for one measurement.
+var startServer = redistest.StartServer
+
+func startFresh(b *testing.B) string {
+	srv, err := startServer()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(srv.Stop)
+	return srv.Addr()
+}

@@ -1,0 +1,302 @@
+package store_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/test/tier"
+)
+
+// fuzzInput reads a fuzzer's bytes as small numbers; past their end every read is 0.
+type fuzzInput struct{ b []byte }
+
+func (in *fuzzInput) byte() byte {
+	if len(in.b) == 0 {
+		return 0
+	}
+	c := in.b[0]
+	in.b = in.b[1:]
+	return c
+}
+
+// intn returns a number in [0, n) from up to four bytes.
+func (in *fuzzInput) intn(n int64) int64 {
+	v := int64(0)
+	for range 4 {
+		v = v<<8 | int64(in.byte())
+	}
+	return v % n
+}
+
+func (in *fuzzInput) done() bool { return len(in.b) == 0 }
+
+// fuzzCost is mostly a cost within the limit, sometimes one past it, and sometimes one that
+// only a multiplication by hits_addend makes: up to 2^63-1.
+func fuzzCost(in *fuzzInput, limit int64) int64 {
+	switch c := in.byte(); {
+	case c < 200:
+		return in.intn(limit + 1)
+	case c < 240:
+		return limit + 1 + in.intn(3)
+	case c < 250:
+		return math.MaxInt64
+	default:
+		return in.intn(math.MaxInt64)
+	}
+}
+
+// fuzzLimit is one rule: any algorithm, a limit up to 200, a rate up to the limit, a period of
+// one second to a day and a second, and a leaky bucket's longest wait up to the time its queue takes to drain.
+func fuzzLimit(in *fuzzInput) algorithm.Limit {
+	l := algorithm.Limit{Kind: algorithm.Kind(1 + in.intn(5)), Limit: 1 + in.intn(200)}
+	l.Period = time.Second + time.Duration(in.intn(86_400_000))*time.Millisecond
+	l.Rate = 1 + in.intn(l.Limit)
+	if l.Kind == algorithm.LeakyBucket {
+		drain := time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
+		l.MaxWait = time.Duration(in.intn(int64(drain/time.Millisecond)+1)) * time.Millisecond
+	}
+	return l
+}
+
+var fuzzRun atomic.Int64
+
+// fuzzCluster, set by FUZZ_CLUSTER=1, runs every input of the differential on the 3-master
+// Cluster, where rules of two clients are decided by two scripts and a refusal refunds the other;
+// without it, a quarter of the inputs (by their length) are.
+var fuzzCluster = os.Getenv("FUZZ_CLUSTER") == "1"
+
+// FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically is the differential: the
+// memory store (the Go algorithms) and the Lua script on a real Redis, fed the same rules (one to
+// four, of any algorithm, enforced or shadow, of one or two clients, a rule named twice, and
+// idempotency records of two policies), the same request sequences with costs up to 2^63-1, and
+// the same clock (the test passes the time to both, so the comparison is exact), reach the same
+// decisions field by field, on a standalone Redis and on a Cluster; after every call, every key and record the decision names exists
+// with a TTL or not at all.
+//
+// Redis expires keys by its own clock while the test's clock jumps by hours, so after checking
+// each key's TTL the test extends it by a day and ends it itself once the test's clock passes
+// the TTL, as Redis does by the clock its TIME reads in production. (A key kept past its TTL is
+// not always idle: a sliding window counter's packed value holds its window index modulo 4.)
+func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testing.F) {
+	for _, seed := range [][]byte{
+		{0, 0, 0, 0, 0, 0, 0, 5},
+		[]byte("\x03\x00\x00\x00\x00\x00\x00\x00\x07\x00\x00\x01\x00\x01\x01\x00\x00\x00\x03\x00\x00\x00\x10\xff\x00\x00\x00\x02"),
+		[]byte("\x02\x01\x00\x00\x00\x03\x00\x00\x00\x04\x00\x00\x10\x00\x00\x00\x00\x02\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x01\x00\xc8\x00\xf0\x00\xfa\xff\xfb\x01\x02\x03\x04\x05\x06\x07\x08"),
+	} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		tier.Needs(t, "redis-server")
+		in := &fuzzInput{b: data}
+		clock := &fakeClock{now: time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond)}
+		mem := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
+		defer func() { _ = mem.Close() }()
+		opts := store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: 10 * time.Second}
+		onCluster := fuzzCluster || len(data)%4 == 1
+		if onCluster {
+			opts = store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: cluster.Addrs(), Timeout: 10 * time.Second}
+		}
+		rs, err := store.NewRedis(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = rs.Close() }()
+		rs.SetClock(clock.Now)
+
+		run := fmt.Sprintf("fuzz/%d/%d", runID, fuzzRun.Add(1))
+		tags := []string{store.Tag(run, "a"), store.Tag(run, "b")}
+		checks := make([]store.Check, 1+in.intn(4))
+		for i := range checks {
+			checks[i] = store.Check{Limit: fuzzLimit(in), Enforce: in.byte()%4 != 0, Tag: tags[in.intn(2)], Rule: fmt.Sprintf("r%d", i)}
+			if i > 0 && in.byte()%16 == 0 {
+				checks[i].Rule, checks[i].Tag, checks[i].Limit = checks[0].Rule, checks[0].Tag, checks[0].Limit // named twice
+			}
+		}
+		// A quarter of the inputs name idempotency records: two keys of two policies' settings,
+		// each check with one of them or none. Redis keeps a record by its own clock, so these
+		// sequences are decided at one instant, and a refused repeat's Retry-After (the record's
+		// PTTL on Redis) may differ by the millisecond that Redis's clock moved.
+		idem := in.byte()%4 == 3
+		if idem {
+			records := []*store.Idempotency{
+				{Key: store.IdempotencyKey("k1", "x"), Window: time.Duration(1+in.intn(3600)) * time.Second, MaxRepeats: in.intn(4)},
+				{Key: store.IdempotencyKey("k2", "x"), Window: time.Duration(1+in.intn(3600)) * time.Second, MaxRepeats: in.intn(4)},
+			}
+			for i := range checks {
+				if r := in.byte() % 3; r < 2 {
+					checks[i].Idempotency = records[r]
+				}
+			}
+		}
+		// A refused repeat's Retry-After on Redis is its record's PTTL, which Redis's clock has
+		// moved since the record was written: at most the wall time since this input began.
+		began := time.Now()
+		equal := cmp.Comparer(func(a, b algorithm.Decision) bool {
+			if idem && a.RetryAfter != b.RetryAfter && (a.RetryAfter-b.RetryAfter).Abs() <= time.Since(began)+time.Millisecond {
+				b.RetryAfter = a.RetryAfter
+			}
+			return a == b
+		})
+		ctx := context.Background()
+		ends := map[string]time.Time{}       // each key's TTL by the test's clock
+		recordEnds := map[string]time.Time{} // each record's TTL by the wall clock, Redis's
+		for step := 0; step < 64 && !in.done(); step++ {
+			if k := ending(recordEnds); k != "" {
+				t.Logf("record %s ends by Redis's clock, which the test does not drive: compared up to here", k)
+				return
+			}
+			maxPeriod := time.Duration(0)
+			for i := range checks {
+				maxPeriod = max(maxPeriod, checks[i].Limit.Period)
+			}
+			if !idem {
+				clock.Add(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
+			}
+			expire(t, rs.Client(), ends, clock.Now())
+			for i := range checks {
+				checks[i].Cost = fuzzCost(in, checks[i].Limit.Limit)
+			}
+			want, got := make([]algorithm.Decision, len(checks)), make([]algorithm.Decision, len(checks))
+			wantCharged, err := mem.Decide(ctx, checks, want)
+			if err != nil {
+				t.Fatalf("step %d: memory: %v", step, err)
+			}
+			decided := time.Now()
+			gotCharged, err := rs.Decide(ctx, checks, got)
+			if err != nil {
+				t.Fatalf("step %d: redis: %v (checks %+v)", step, err, checks)
+			}
+			if onCluster && !gotCharged {
+				// On a Cluster, the scripts of other tags may have charged before the refusal and
+				// been refunded after it: their rules report the charged state (docs/guarantees.md).
+				// The state itself must be back, which the next steps compare.
+				for i := range got {
+					if got[i].Allowed && want[i].Allowed {
+						got[i].Remaining, got[i].Reset, got[i].Wait = want[i].Remaining, want[i].Reset, want[i].Wait
+					}
+				}
+			}
+			if wantCharged != gotCharged || !cmp.Equal(want, got, equal) {
+				t.Fatalf("step %d at %v, checks %+v: charged %v (memory) and %v (redis); decisions (-memory +redis):\n%s",
+					step, clock.Now().UnixMicro(), checks, wantCharged, gotCharged, cmp.Diff(want, got))
+			}
+			for i := range checks {
+				if d := want[i]; d.Allowed && d.Never || d.Never != (checks[i].Cost > checks[i].Limit.Limit) || d.Remaining < 0 || d.Remaining > d.Limit {
+					t.Fatalf("step %d rule %d cost %d: %+v", step, i, checks[i].Cost, d)
+				}
+			}
+			// Both checks run for every key; an input whose states Redis's own clock has moved
+			// apart ends here, compared up to this step.
+			keys, records := keepKeys(t, rs.Client(), checks, want, wantCharged, ends, clock.Now()), keepRecords(t, rs.Client(), checks, want, decided, recordEnds)
+			if !keys || !records {
+				return
+			}
+		}
+	})
+}
+
+// keepKeys fails unless every key of the checks has a TTL or does not exist, then notes in ends
+// when the TTL ends by the test's clock, now, and extends it by a day (see the fuzz target). It
+// reports false when a key ended by Redis's clock before it could be extended: the two stores no
+// longer hold comparable states.
+func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, charged bool, ends map[string]time.Time, now time.Time) (comparable bool) {
+	t.Helper()
+	ctx := context.Background()
+	comparable = true
+	for i := range checks {
+		k := checks[i].Key()
+		ttl, err := c.PTTL(ctx, k).Result()
+		switch {
+		case err != nil:
+			t.Fatal(err)
+		case ttl == -2*time.Nanosecond && charged && out[i].Allowed && checks[i].Cost > 0 && out[i].Reset < 2*time.Millisecond:
+			// Written with a TTL of a millisecond of Redis's clock, which ended before the test
+			// could extend it: the stores now hold different states, through no fault of either.
+			t.Logf("key %s expired by Redis's clock before the test extended it: compared up to here", k)
+			comparable = false
+			continue
+		case ttl == -2*time.Nanosecond:
+			continue // no such key
+		case ttl < 0: // -1: no TTL; 0 is one that ends within the millisecond
+			t.Fatalf("key %s of rule %d has no TTL: PTTL %v", k, i, ttl)
+		}
+		// A second late, so that Redis's clock, which moved while the test read the TTL, cannot
+		// make it end before the state is idle; it ends within a sliding window counter's four
+		// windows all the same (windows are a second or longer here).
+		ends[k] = now.Add(ttl + time.Second)
+		if err := c.PExpire(ctx, k, ttl+24*time.Hour).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return comparable
+}
+
+// expire deletes the keys whose TTL, by the test's clock, ended at or before now.
+func expire(t *testing.T, c redis.UniversalClient, ends map[string]time.Time, now time.Time) {
+	t.Helper()
+	for k, end := range ends {
+		if !end.After(now) {
+			if err := c.Del(context.Background(), k).Err(); err != nil {
+				t.Fatal(err)
+			}
+			delete(ends, k)
+		}
+	}
+}
+
+// keepRecords fails unless every idempotency record of the checks has a TTL or does not exist,
+// and notes in ends when each ends by the wall clock, which is Redis's (the memory store's clock
+// stands still in these sequences; see ending). It reports false for an input whose record may
+// have ended already: a refusal's record lives for its Retry-After, which may be a millisecond,
+// less than the time since the decision, decided.
+func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (comparable bool) {
+	t.Helper()
+	comparable = true
+	shortRefusal := false
+	for i := range out {
+		shortRefusal = shortRefusal || !out[i].Allowed && !out[i].Never && out[i].RetryAfter <= time.Since(decided)+10*time.Millisecond
+	}
+	for i := range checks {
+		if checks[i].Idempotency == nil {
+			continue
+		}
+		k := store.KeyPrefix + "{" + checks[i].Tag + "}i" + checks[i].Idempotency.Key
+		read := time.Now()
+		ttl, err := c.PTTL(context.Background(), k).Result()
+		switch {
+		case err != nil:
+			t.Fatal(err)
+		case ttl == -2*time.Nanosecond && shortRefusal:
+			t.Logf("record %s may have ended by Redis's clock already: compared up to here", k)
+			comparable = false
+		case ttl == -2*time.Nanosecond:
+		case ttl < 0:
+			t.Fatalf("record %s of rule %d has no TTL: PTTL %v", k, i, ttl)
+		default:
+			ends[k] = read.Add(ttl)
+		}
+	}
+	return comparable
+}
+
+// ending names a record that ends by the wall clock within the next 100ms, or none: the memory
+// store would still hold it when Redis no longer does.
+func ending(ends map[string]time.Time) string {
+	for k, end := range ends {
+		if time.Until(end) < 100*time.Millisecond {
+			return k
+		}
+	}
+	return ""
+}

@@ -1,0 +1,103 @@
+// Package store keeps rate-limit state and decides requests against it: in memory for one
+// enforcer replica, or in Redis (standalone, Sentinel or Cluster) for many.
+//
+// Every store decides all the rules that match a request together: it checks every rule first
+// and charges them only if every enforced rule allows, so a refused request consumes nothing.
+package store
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/sluice-dev/sluice/internal/algorithm"
+)
+
+// Check is one rule to decide for one request.
+type Check struct {
+	// Limit is the rule's algorithm and parameters.
+	Limit algorithm.Limit
+	// Cost is how many units the request consumes; 0 checks without consuming.
+	Cost int64
+	// Enforce is false for shadow rules: they never cause a refusal, and are charged only when
+	// they allow, as if each were the only rule.
+	Enforce bool
+	// Tag identifies the client within its policy (see Tag). The Redis key of a check is
+	// sl{Tag}Rule, so rules that share a client key share a Redis Cluster hash slot.
+	Tag string
+	// Rule names the rule's state (policy.RuleID).
+	Rule string
+	// Idempotency, when set, is the record of this check's policy and client: a repeat of a
+	// request that record admitted passes this check without a charge. Checks that name the same
+	// record (the same Tag and Idempotency.Key) share it; checks without one are decided and
+	// charged as usual, whatever the records of the others say.
+	Idempotency *Idempotency
+}
+
+// Idempotency identifies a request by the key its client sent, for the decision to recognize
+// its repeats: the first is decided and charged as any request; a repeat within Window of an
+// admitted one passes the checks of its record without a charge, MaxRepeats times, and is
+// charged like a new request after that; a repeat of a refused one is refused the same way until
+// the first refusal's Retry-After. A record belongs to one policy (the checks' tag) and one
+// client identity (hashed into Key), so clients that send the same key never share one, even
+// under a rule with no client key.
+type Idempotency struct {
+	// Key names the record: IdempotencyKey of the client's key and identity.
+	Key        string
+	Window     time.Duration
+	MaxRepeats int64
+}
+
+// IdempotencyKey hashes a client's idempotency key and its identity (the client address the
+// limiter decided it is) into the 8 characters of its record's name: the first 48 bits of their
+// SHA-256, base64url. Raw keys never reach the store.
+func IdempotencyKey(key, identity string) string {
+	sum := sha256.Sum256([]byte(key + "\x00" + identity))
+	return base64.RawURLEncoding.EncodeToString(sum[:6])
+}
+
+// recordKey is the Redis key of the idempotency record of a check: under its tag.
+func (c *Check) recordKey() string {
+	return KeyPrefix + "{" + c.Tag + "}i" + c.Idempotency.Key
+}
+
+// KeyPrefix starts every Redis key of Sluice's.
+const KeyPrefix = "sl"
+
+// Key is the Redis key of the check: sl{<tag>}<rule>, 28 bytes. Redis keeps a key of up to 30
+// bytes in one 32-byte allocation: a shorter name would save nothing, a longer one 16 bytes.
+func (c *Check) Key() string { return KeyPrefix + "{" + c.Tag + "}" + c.Rule }
+
+// Store decides requests.
+type Store interface {
+	// Decide decides one request: out[i] receives the decision of checks[i] (len(out) must be at
+	// least len(checks)). It reports whether the request was charged, which is whether every
+	// enforced check allowed it.
+	Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (charged bool, err error)
+	// Ping checks that the store answers within ctx's deadline.
+	Ping(ctx context.Context) error
+	// Close releases the store's resources.
+	Close() error
+}
+
+// ErrFault marks a decision that failed for a fault of its own, a bug or a configuration
+// problem, rather than because the store is unavailable: a script error, a key of the wrong type,
+// a reply that does not decode. Other rules and clients are unaffected, so it must not count
+// against the store's availability.
+var ErrFault = errors.New("decision fault")
+
+// ErrUnexpectedReply means Redis answered a script with something the store cannot decode.
+var ErrUnexpectedReply = fmt.Errorf("%w: unexpected reply from the decide script", ErrFault)
+
+// charged reports whether every enforced check allowed.
+func charged(checks []Check, out []algorithm.Decision) bool {
+	for i := range checks {
+		if checks[i].Enforce && !out[i].Allowed {
+			return false
+		}
+	}
+	return true
+}

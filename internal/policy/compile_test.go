@@ -1,0 +1,89 @@
+package policy_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/utils/ptr"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/policy"
+)
+
+func newPolicy(rules ...v1alpha1.Rule) *v1alpha1.RateLimitPolicy {
+	p := &v1alpha1.RateLimitPolicy{}
+	p.Namespace, p.Name = "shop", "api"
+	p.Spec.TargetRef = v1alpha1.TargetRef{Name: "api", Port: 80}
+	p.Spec.Rules = rules
+	return p
+}
+
+func TestCompileWhenPolicyIsValidThenRulesCarryParametersInRuntimeUnits(t *testing.T) {
+	p := newPolicy(
+		v1alpha1.Rule{Name: "burst", TokenBucket: &v1alpha1.TokenBucket{Capacity: 10, Refill: v1alpha1.TokenRefill{Tokens: 5, Period: "1s"}},
+			Key: []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("x-api-key")}}},
+		v1alpha1.Rule{Name: "queue", LeakyBucket: &v1alpha1.LeakyBucket{Capacity: 20, Drain: v1alpha1.DrainRate{Requests: 10, Period: "1s"}},
+			Mode: v1alpha1.ModeShadow, FailureMode: v1alpha1.FailClosed, Cost: ptr.To[int64](2)},
+	)
+	p.Spec.TrustedProxies = []v1alpha1.CIDR{"10.1.2.3/8"}
+	c, err := policy.Compile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.ID != "shop/api" || len(c.Rules) != 2 || c.TrustedProxies[0].String() != "10.0.0.0/8" {
+		t.Fatalf("compiled = %+v", c)
+	}
+	burst, queue := c.Rules[0], c.Rules[1]
+	if burst.Limit != (algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 10, Rate: 5, Period: time.Second}) || burst.Cost != 1 || !burst.Enforce || !burst.FailOpen {
+		t.Errorf("burst = %+v", burst)
+	}
+	if burst.Key[0].Header != "X-Api-Key" {
+		t.Errorf("header key %q, want canonical X-Api-Key", burst.Key[0].Header)
+	}
+	if queue.Limit.MaxWait != 2*time.Second || queue.Enforce || queue.FailOpen || queue.Cost != 2 {
+		t.Errorf("queue = %+v; want maxWait defaulted to a full queue's drain time (2s), shadow, fail closed, cost 2", queue)
+	}
+}
+
+func TestCompileWhenPolicyCanNeverWorkThenErrorNamesTheField(t *testing.T) {
+	window := func(limit int64, w v1alpha1.Duration) *v1alpha1.Window {
+		return &v1alpha1.Window{Limit: limit, Window: w}
+	}
+	cases := []struct {
+		name  string
+		rules []v1alpha1.Rule
+		want  string
+	}{
+		{"when cost exceeds capacity then cost is named", []v1alpha1.Rule{{Name: "a", Cost: ptr.To[int64](11),
+			TokenBucket: &v1alpha1.TokenBucket{Capacity: 10, Refill: v1alpha1.TokenRefill{Tokens: 1, Period: "1s"}}}},
+			"spec.rules[0].cost: Invalid value: 11: must not exceed tokenBucket.capacity (10)"},
+		{"when window is zero then window is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "0s")}},
+			"spec.rules[0].fixedWindow.window: Invalid value: \"0s\": must be at least 1ms"},
+		{"when period does not parse then period is named", []v1alpha1.Rule{{Name: "a",
+			LeakyBucket: &v1alpha1.LeakyBucket{Capacity: 1, Drain: v1alpha1.DrainRate{Requests: 1, Period: "soon"}}}},
+			"spec.rules[0].leakyBucket.drain.period: Invalid value: \"soon\""},
+		{"when sliding log is huge then limit is named", []v1alpha1.Rule{{Name: "a", SlidingLog: window(50_000, "1h")}},
+			"spec.rules[0].slidingLog.limit: Invalid value: 50000: must be at most 10000"},
+		{"when maxWait exceeds the drain time then maxWait is named", []v1alpha1.Rule{{Name: "a",
+			LeakyBucket: &v1alpha1.LeakyBucket{Capacity: 5, Drain: v1alpha1.DrainRate{Requests: 10, Period: "1s"}, MaxWait: ptr.To[v1alpha1.Duration]("1s")}}},
+			"spec.rules[0].leakyBucket.maxWait: Invalid value: \"1s\": must not exceed 500ms"},
+		{"when two rules share a name then the second is named", []v1alpha1.Rule{
+			{Name: "a", FixedWindow: window(5, "1s")}, {Name: "a", FixedWindow: window(5, "1s")}},
+			"spec.rules[1].name: Duplicate value: \"a\""},
+		{"when no algorithm is set then the rule is named", []v1alpha1.Rule{{Name: "a"}},
+			"spec.rules[0]: Required value: exactly one algorithm"},
+		{"when the path expression is invalid then the value is named", []v1alpha1.Rule{{Name: "a", FixedWindow: window(5, "1s"),
+			Match: &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: v1alpha1.PathMatchRegularExpression, Value: "/v[0-9"}}}},
+			"spec.rules[0].match.path.value: Invalid value: \"/v[0-9\": must be a valid RE2 regular expression"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := policy.Compile(newPolicy(c.rules...))
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("err = %v, want it to contain %q", err, c.want)
+			}
+		})
+	}
+}

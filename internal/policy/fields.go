@@ -1,0 +1,62 @@
+package policy
+
+import (
+	"math"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/dunglas/httpsfv"
+
+	"github.com/sluice-dev/sluice/internal/algorithm"
+)
+
+// Fields are a rule's members of the RateLimit-Policy and RateLimit response fields of
+// draft-ietf-httpapi-ratelimit-headers, structured-field lists:
+//
+//	RateLimit-Policy: "burst";q=10;w=1
+//	RateLimit: "burst";r=0;t=1
+//
+// The policy member never changes and the limit member changes only in r and t, so both are
+// serialized once, when the rule is compiled, and every response appends two integers.
+type Fields struct {
+	// Policy is the whole RateLimit-Policy member: the quota q and its window w in seconds.
+	Policy string
+	// name is the rule name as a structured-field string.
+	name string
+}
+
+func newFields(r *Rule) Fields {
+	name, err := httpsfv.Marshal(httpsfv.NewItem(r.Name))
+	if err != nil {
+		return Fields{} // a name that is no sf-string: the schema allows none
+	}
+	return Fields{name: name, Policy: name + ";q=" + strconv.FormatInt(r.Limit.Limit, 10) + ";w=" + strconv.FormatInt(max(1, Seconds(quotaWindow(r.Limit))), 10)}
+}
+
+// Limit is the RateLimit member for remaining units r and a reset in t seconds, built in one
+// allocation: it is written on every response.
+func (f Fields) Limit(remaining, reset int64) string {
+	var num [20]byte
+	var b strings.Builder
+	b.Grow(len(f.name) + 2*len(";r=") + 2*len(num))
+	b.WriteString(f.name)
+	b.WriteString(";r=")
+	b.Write(strconv.AppendInt(num[:0], remaining, 10))
+	b.WriteString(";t=")
+	b.Write(strconv.AppendInt(num[:0], reset, 10))
+	return b.String()
+}
+
+// Seconds rounds a duration up to whole seconds: a client that waits them is never early.
+func Seconds(d time.Duration) int64 { return int64(math.Ceil(d.Seconds())) }
+
+// quotaWindow is the time the quota refers to: the window, or the time an empty bucket takes to
+// fill.
+func quotaWindow(l algorithm.Limit) time.Duration {
+	switch l.Kind {
+	case algorithm.TokenBucket, algorithm.LeakyBucket:
+		return time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
+	}
+	return l.Period
+}
