@@ -10,7 +10,6 @@ import (
 	"net/http/pprof"
 	"net/url"
 	"os"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -329,9 +328,9 @@ func (e *Enforcer) listenAndServe(servers []server) error {
 
 func storeName(cfg Config) string {
 	if cfg.Redis == nil {
-		return "memory"
+		return report.StoreKind(false, "")
 	}
-	return "redis-" + strings.ToLower(string(cfg.Redis.Mode))
+	return report.StoreKind(true, cfg.Redis.Mode)
 }
 
 // serveHTTP returns a function that runs a net/http server for h with limits against slow and

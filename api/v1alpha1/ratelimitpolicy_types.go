@@ -249,6 +249,7 @@ type SecretRef struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.fixedWindow) || !has(self.cost) || self.cost <= self.fixedWindow.limit",message="cost must not exceed fixedWindow.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || !has(self.cost) || self.cost <= self.slidingLog.limit",message="cost must not exceed slidingLog.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingWindowCounter) || !has(self.cost) || self.cost <= self.slidingWindowCounter.limit",message="cost must not exceed slidingWindowCounter.limit: such a request could never pass",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || self.slidingLog.limit <= 10000",message="must be at most 10000: a sliding log keeps one entry per admitted request; use slidingWindowCounter for larger limits",fieldPath=".slidingLog.limit"
 type Rule struct {
 	// name identifies the rule in status, metrics, headers and Redis keys. A DNS label.
 	// +required
@@ -639,6 +640,7 @@ const (
 //
 // +kubebuilder:validation:MaxLength=261
 // +kubebuilder:validation:XValidation:rule="self.matches('^([a-zA-Z0-9.-]+|\\\\[[0-9a-fA-F:.]+\\\\]):[0-9]{1,5}$')",message="must be host:port, such as redis.example:6379 or [fd00::1]:6379"
+// +kubebuilder:validation:XValidation:rule="!self.matches(':[0-9]{1,5}$') || (int(self.substring(self.lastIndexOf(':') + 1)) >= 1 && int(self.substring(self.lastIndexOf(':') + 1)) <= 65535)",message="the port must be from 1 to 65535"
 type HostPort string
 
 // CredentialsSecretRef names the Secret keys that hold Redis credentials.
@@ -694,6 +696,7 @@ type SecretKeyRef struct {
 
 // ManagedRedis is a Redis that the operator runs for this policy, configured as a rate-limit
 // store: no persistence, bounded memory, eviction of keys closest to their expiry.
+// +kubebuilder:validation:XValidation:rule="!has(self.maxMemory) || quantity(string(self.maxMemory)).isGreaterThan(quantity('0'))",message="must be more than 0",fieldPath=".maxMemory"
 type ManagedRedis struct {
 	// image is the Redis image. Absent means the manager's default.
 	// +optional

@@ -175,12 +175,33 @@ func New(opts Options) *Limiter {
 }
 
 // SetPolicies replaces the policies. Counters live in the store under the policies' and rules'
-// names, so unchanged rules keep their state. The refusal cache is emptied: a refusal under the
-// old rules says nothing about the new ones.
+// names (each rule's StateKey, set here), so unchanged rules keep their state. The refusal cache
+// is emptied: a refusal under the old rules says nothing about the new ones.
 func (l *Limiter) SetPolicies(ps []*policy.Policy) {
+	for _, p := range ps {
+		for i := range p.Rules {
+			if r := &p.Rules[i]; r.StateKey == "" {
+				r.StateKey = store.RuleID(p.ID, r.Name, r.Limit.Layout())
+			}
+		}
+	}
 	l.policies.Store(&ps)
 	l.refusals.clear()
 	l.metrics.serve(ps)
+}
+
+// Keys names the store key of each rule of the request's policy (Request.Policy) that the request
+// matches, by rule name, as its decision would charge it; or why the request cannot be decided.
+func (l *Limiter) Keys(req *Request) (map[string]string, string) {
+	checks, rules, _, invalid := l.collect(req, nil, nil)
+	if invalid != "" {
+		return nil, invalid
+	}
+	keys := make(map[string]string, len(checks))
+	for i := range checks {
+		keys[rules[i].rule.Name] = checks[i].Key()
+	}
+	return keys, ""
 }
 
 // Policies are the policies in force.
@@ -317,7 +338,7 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 				// makes no other request (another route under the same client key) a repeat.
 				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()+" "+req.Method+" "+req.Path), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
 			}
-			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
+			if key := store.ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
 			}
 			if len(checks) == MaxChecks {

@@ -20,7 +20,6 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
-	"github.com/sluice-dev/sluice/internal/policy"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -200,7 +199,7 @@ func BenchmarkRedisMemoryPerKey(b *testing.B) {
 					wg.Go(func() {
 						out := make([]algorithm.Decision, 1)
 						for i := next.Add(1); i <= keys; i = next.Add(1) {
-							checks := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: store.Tag("bench/mem", strconv.FormatInt(i, 10)), Rule: policy.RuleID("bench/mem", "per-client", l.Layout())}}
+							checks := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: store.Tag("bench/mem", strconv.FormatInt(i, 10)), Rule: store.RuleID("bench/mem", "per-client", l.Layout())}}
 							for range requests {
 								if _, err := s.Decide(context.Background(), checks, out); err != nil {
 									b.Error(err)
@@ -215,7 +214,7 @@ func BenchmarkRedisMemoryPerKey(b *testing.B) {
 				var usage int64
 				const sample = 2000
 				for i := range sample {
-					k := store.Check{Tag: store.Tag("bench/mem", strconv.Itoa(i+1)), Rule: policy.RuleID("bench/mem", "per-client", l.Layout())}
+					k := store.Check{Tag: store.Tag("bench/mem", strconv.Itoa(i+1)), Rule: store.RuleID("bench/mem", "per-client", l.Layout())}
 					usage += c.MemoryUsage(context.Background(), k.Key()).Val()
 				}
 				b.ReportMetric(float64(usage)/sample, "MEMORY-USAGE-B/key")

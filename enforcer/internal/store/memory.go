@@ -195,7 +195,8 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 	if len(checks) > len(buf) {
 		states = make([]algorithm.State, 0, len(checks))
 	}
-	now := algorithm.Micros(s.now())
+	at := s.now()
+	now := algorithm.Micros(at)
 	// The idempotency records the checks name, as decide.lua keeps them: recOf[i] is check i's
 	// (1-based; 0 for none).
 	var recBuf [2]memoryRecord
@@ -240,13 +241,13 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		if j := recOf[i]; j > 0 && recs[j-1].free() && c.Cost >= 0 && c.Cost <= c.Limit.Limit {
 			// A free repeat of an admitted request, for this check's policy: it passes uncharged.
 			free[i] = true
-			_, out[i] = c.Limit.Take(st, now, 0)
+			_, out[i] = c.Limit.Take(st, at, 0)
 			out[i].Allowed, out[i].Wait = true, 0
 			states = append(states, st)
 			continue
 		}
 		free[i] = false
-		st, d := c.Limit.Take(st, now, c.Cost)
+		st, d := c.Limit.Take(st, at, c.Cost)
 		states, out[i] = append(states, st), d
 	}
 	commit := charged(checks, out)
@@ -257,7 +258,7 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 			// record ends.
 			for i := range checks {
 				if c := &checks[i]; c.Enforce && recOf[i] == j+1 {
-					_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
+					_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), at, 0)
 					out[i].Allowed, out[i].Wait = false, 0
 					out[i].RetryAfter = time.Duration(max(1, math.Ceil((r.rec.expiresAt-now)/1000))) * time.Millisecond
 					commit = false
@@ -273,7 +274,7 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 		never := false
 		for i := range checks {
 			if c := &checks[i]; out[i].Allowed && !free[i] && c.Cost > 0 {
-				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
+				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), at, 0)
 				out[i].Allowed = true
 			} else if !out[i].Allowed && c.Enforce {
 				retry = max(retry, out[i].RetryAfter)
@@ -328,14 +329,15 @@ func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 	sh := &s.shards[s.shardOf(c)]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	now := algorithm.Micros(s.now())
+	at := s.now()
+	now := algorithm.Micros(at)
 	k := memoryKey{c.Tag, c.Rule}
 	e := sh.m[k] // one lookup serves both the read and the write
 	var st algorithm.State
 	if e != nil {
 		st = e.st
 	}
-	st, d := c.Limit.Take(st, now, c.Cost)
+	st, d := c.Limit.Take(st, at, c.Cost)
 	out[0] = d
 	if c.Enforce && !d.Allowed {
 		return false, nil
