@@ -21,8 +21,8 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/sluice-dev/sluice/enforcer"
-	"github.com/sluice-dev/sluice/enforcer/store"
-	"github.com/sluice-dev/sluice/test/redistest"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
 // A panic in any request path is answered 500 (gRPC INTERNAL), counted, and the server serves the
@@ -258,6 +258,45 @@ func TestRLSWhenDescriptorsMatchMoreRulesThanTheBoundThenRefused(t *testing.T) {
 	}
 	if err := call(3); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "64 rules") {
 		t.Errorf("3 descriptors of 32 rules each: %v, want INVALID_ARGUMENT naming the bound", err)
+	}
+}
+
+// A request that matches more than limiter.MaxChecks rules, over all the policies of a file, is
+// 400 on the proxy and the check API and charges nothing; one at the bound is decided.
+func TestProxyWhenARequestMatchesMoreRulesThanTheBoundThen400AndNothingIsCharged(t *testing.T) {
+	rules := func(n int, path string) string {
+		var b strings.Builder
+		for i := range n {
+			fmt.Fprintf(&b, "    - name: r%d\n      match: {path: {value: %s}}\n      fixedWindow: {limit: 100, window: 1h}\n", i, path)
+		}
+		return b.String()
+	}
+	// 64 rules match every path, one more only /over.
+	file := policyDoc("a", rules(32, "/")) + "---\n" + policyDoc("b", rules(32, "/")) + "---\n" + policyDoc("c", rules(1, "/over"))
+	up := newUpstream(t)
+	e := start(t, file, up, nil)
+	remaining := func(r reply) string {
+		_, after, _ := strings.Cut(r.Header.Get("RateLimit"), ";r=")
+		before, _, _ := strings.Cut(after, ";")
+		return before
+	}
+	if r := get(t, e.proxy+"/ok"); r.StatusCode != http.StatusOK || remaining(r) != "99" {
+		t.Fatalf("64 rules: %d, RateLimit %q; want 200 with 99 remaining", r.StatusCode, r.Header.Get("RateLimit"))
+	}
+	for _, u := range []string{e.proxy + "/over", e.check + enforcer.ForwardAuthPath} {
+		var header []string
+		if strings.HasPrefix(u, e.check) {
+			header = []string{"X-Forwarded-Method", "GET", "X-Forwarded-Uri", "/over"}
+		}
+		if r := get(t, u, header...); r.StatusCode != http.StatusBadRequest {
+			t.Errorf("65 rules through %s: %d, want 400", u, r.StatusCode)
+		}
+	}
+	if r := get(t, e.proxy+"/ok"); r.StatusCode != http.StatusOK || remaining(r) != "98" {
+		t.Errorf("after the refusals: %d, RateLimit %q; want 98 remaining, nothing charged by them", r.StatusCode, r.Header.Get("RateLimit"))
+	}
+	if n := up.hits.Load(); n != 2 {
+		t.Errorf("the upstream saw %d requests, want the 2 decided ones", n)
 	}
 }
 

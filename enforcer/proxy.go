@@ -335,7 +335,7 @@ func newProxyServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout, idl
 	return &fasthttp.Server{
 		Handler:                      h,
 		IdleTimeout:                  idleTimeout,
-		ReduceMemoryUsage:            true, // an idle connection holds no 64 KiB buffers
+		ReduceMemoryUsage:            true, // an idle connection releases its write buffer; the 64 KiB read buffer stays, as streamed request bodies need it
 		ReadTimeout:                  readTimeout,
 		ReadBufferSize:               64 << 10, // fasthttp's header size limit
 		StreamRequestBody:            true,

@@ -8,8 +8,8 @@ import (
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/sluice-dev/sluice/enforcer/limiter"
-	"github.com/sluice-dev/sluice/enforcer/store"
+	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
 )
 
 // A call Envoy gave up on (its timeout, 20 ms by default) is decided detached from it and
