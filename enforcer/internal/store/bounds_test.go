@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"runtime"
 	"strconv"
@@ -104,7 +105,9 @@ func TestMemoryWhenKeysAreHeldThenTheirCountedBytesCoverTheHeap(t *testing.T) {
 	for i := range keys {
 		l := kinds[i%len(kinds)]
 		c := []store.Check{{Limit: l, Cost: 1 + int64(i%3), Enforce: true, Tag: store.Tag("p", strconv.Itoa(i)), Rule: "ruleid01"}}
-		for range 3 {
+		for j := range 3 {
+			// A lease's name as long as the limiter's, each its own string, as each request's is.
+			c[0].Lease = fmt.Sprintf("%012x.%07d", i, j)
 			if _, err := s.Decide(context.Background(), c, out); err != nil {
 				t.Fatal(err)
 			}

@@ -131,6 +131,7 @@ func allKinds(limit int64, period time.Duration) []algorithm.Limit {
 		{Kind: algorithm.FixedWindow, Limit: limit, Period: period},
 		{Kind: algorithm.SlidingLog, Limit: limit, Period: period},
 		{Kind: algorithm.SlidingWindowCounter, Limit: limit, Period: period},
+		{Kind: algorithm.Concurrency, Limit: limit, Period: period},
 	}
 }
 
