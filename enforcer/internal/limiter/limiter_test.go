@@ -47,8 +47,10 @@ func (f *fakeStore) Decide(_ context.Context, checks []store.Check, out []algori
 	return charged, nil
 }
 
-func (f *fakeStore) Ping(context.Context) error { return nil }
-func (f *fakeStore) Close() error               { return nil }
+func (f *fakeStore) Finish(context.Context, []store.Check, []algorithm.Decision) error { return f.err }
+func (f *fakeStore) Renew(context.Context, []store.Check, []algorithm.Decision) error  { return f.err }
+func (f *fakeStore) Ping(context.Context) error                                        { return nil }
+func (f *fakeStore) Close() error                                                      { return nil }
 
 func (f *fakeStore) called() int {
 	f.mu.Lock()
