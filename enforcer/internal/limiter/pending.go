@@ -101,6 +101,14 @@ func (p *Pending) renew() {
 // response never came (its client left first) is charged as one that did, at the rule's cost:
 // leaving early never escapes a charge.
 func (p *Pending) End(status int, fields func(name string) []string) {
+	p.end(true, status, fields)
+}
+
+// Drop ends a request that was never forwarded (its client left while it was held in a leaky
+// bucket's queue): its leases are released, and nothing is charged, as no response was made.
+func (p *Pending) Drop() { p.end(false, 0, nil) }
+
+func (p *Pending) end(forwarded bool, status int, fields func(name string) []string) {
 	if p == nil {
 		return
 	}
@@ -122,7 +130,7 @@ func (p *Pending) End(status int, fields func(name string) []string) {
 		r := p.rules[i]
 		result := ""
 		if c.Deferred {
-			if status != 0 && !r.rule.Charges(status) {
+			if !forwarded || status != 0 && !r.rule.Charges(status) {
 				continue
 			}
 			c.Cost, result = ResponseCost(r.rule, status, fields)
