@@ -368,3 +368,55 @@ func TestCheckAPIWhenRulesNeedTheResponseThenTheyAreSkippedAndCounted(t *testing
 		}
 	}
 }
+
+// A client that leaves while the upstream has not yet begun its response frees its slot at
+// once on both proxy paths, and the upstream request ends with it: HTTP/1.1 requests that hold
+// a slot go to the upstream on a connection of their own, which the proxy closes as the client
+// leaves; h2c cancels the upstream request.
+func TestProxyWhenAClientLeavesBeforeTheResponseBeginsThenItsSlotAndUpstreamRequestEnd(t *testing.T) {
+	for name, newClient := range proxyClients {
+		t.Run(name, func(t *testing.T) {
+			var inFlight atomic.Int64
+			arrived := make(chan struct{}, 1)
+			up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != "/stream" {
+					return
+				}
+				inFlight.Add(1)
+				defer inFlight.Add(-1)
+				arrived <- struct{}{}
+				<-r.Context().Done() // answers nothing until its request ends
+			}))
+			defer up.Close()
+			e := start(t, policyDoc("slots", slotPolicy), &upstream{Server: up}, nil)
+			ctx, cancel := context.WithCancel(context.Background())
+			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.proxy+"/stream", nil)
+			failed := make(chan error, 1)
+			go func() {
+				resp, err := newClient().Do(req)
+				if err == nil {
+					_ = resp.Body.Close()
+				}
+				failed <- err
+			}()
+			<-arrived
+			if r := get(t, e.proxy+"/stream"); r.StatusCode != http.StatusTooManyRequests {
+				t.Fatalf("while the request waits: %d, want 429", r.StatusCode)
+			}
+			cancel()
+			_ = <-failed // whether the client saw its cancellation or an answer, it left
+			waitUntil(t, "the upstream request ended", func() bool { return inFlight.Load() == 0 })
+			waitUntil(t, "the slot freed", func() bool {
+				ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+				defer cancel()
+				r, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.proxy+"/stream", nil)
+				resp, err := newClient().Do(r)
+				if err != nil {
+					return true // admitted: the upstream holds it, and the timeout ends it
+				}
+				_ = resp.Body.Close()
+				return resp.StatusCode != http.StatusTooManyRequests
+			})
+		})
+	}
+}

@@ -137,7 +137,9 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	if req.IsBodyStream() {
 		_ = ctx.Conn().SetReadDeadline(time.Time{})
 	}
-	if o := v.owed(); o.owes() {
+	if o := v.owed(); o.holds() {
+		p.forwardHeld(ctx, req, o)
+	} else if o.owes() {
 		p.forwardOwing(ctx, req, o)
 	} else if err := p.client.Do(req, &ctx.Response); err != nil {
 		ctx.Response.Reset()
@@ -182,12 +184,74 @@ func (p *fastProxy) forwardOwing(ctx *fasthttp.RequestCtx, req *fasthttp.Request
 	ctx.Response.SetBodyStream(&owedBody{up: up, client: &ctx.Response.Header, v: v}, up.Header.ContentLength())
 }
 
+// forwardHeld forwards a request that holds a concurrency slot on an upstream connection of its
+// own, which the pooled client cannot give, so that the request's work at the upstream ends
+// when its client leaves: from the moment the request is sent to the end of its response, the
+// client's connection is watched (clientWatch), and a client that leaves closes the upstream
+// connection, ending the request there, and its slot is freed at once. The response is relayed
+// as forwardOwing relays it. A request that holds a slot is one of a few in flight, so a
+// connection of its own costs little.
+func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request, o owed) {
+	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := p.dialUpgrade(dctx)
+	if err != nil {
+		status := p.metrics.failed(err)
+		ctx.SetStatusCode(status)
+		o.end(status, nil)
+		return
+	}
+	req.SetConnectionClose() // the connection is this request's alone
+	bw := bufio.NewWriter(conn)
+	if err := req.Write(bw); err != nil || bw.Flush() != nil {
+		_ = conn.Close()
+		ctx.SetStatusCode(http.StatusBadGateway)
+		o.end(http.StatusBadGateway, nil)
+		return
+	}
+	watch := watchClient(ctx.Conn(), conn)
+	up := fasthttp.AcquireResponse()
+	up.StreamBody, up.SkipBody = true, req.Header.IsHead()
+	if p.headerTimeout > 0 {
+		_ = conn.SetReadDeadline(time.Now().Add(p.headerTimeout))
+	}
+	if err := up.Read(bufio.NewReader(conn)); err != nil {
+		gone := watch.stop()
+		_ = conn.Close()
+		fasthttp.ReleaseResponse(up)
+		if gone {
+			p.limiter.Left()
+			ctx.SetConnectionClose() // nobody reads an answer
+			o.end(0, nil)
+			return
+		}
+		status := p.metrics.failed(err)
+		ctx.SetStatusCode(status)
+		p.log.V(1).Info("Upstream request failed", "error", err.Error())
+		o.end(status, nil)
+		return
+	}
+	_ = conn.SetReadDeadline(time.Time{}) // a streamed response may last any time
+	up.Header.CopyTo(&ctx.Response.Header)
+	if up.BodyStream() == nil {
+		watch.stop()
+		_ = conn.Close()
+		o.end(up.StatusCode(), fastFields(&up.Header))
+		fasthttp.ReleaseResponse(up)
+		return
+	}
+	ctx.Response.SetBodyStream(&owedBody{up: up, client: &ctx.Response.Header, v: o, conn: conn, watch: watch}, up.Header.ContentLength())
+}
+
 // owedBody relays an upstream response's body to the client's response, and its trailers once
-// it ends, and ends the request when fasthttp closes it.
+// it ends, and ends the request when fasthttp closes it; with forwardHeld, it stops watching
+// the client then, and closes the request's own upstream connection.
 type owedBody struct {
 	up     *fasthttp.Response
 	client *fasthttp.ResponseHeader
 	v      owed
+	conn   net.Conn
+	watch  *clientWatch
 }
 
 func (b *owedBody) Read(buf []byte) (int, error) {
@@ -211,12 +275,18 @@ func (b *owedBody) Read(buf []byte) (int, error) {
 // CloseWithError is how fasthttp closes the stream, with the error that stopped its write to
 // the client, if any.
 func (b *owedBody) CloseWithError(err error) error {
+	if b.watch != nil {
+		b.watch.stop() // before the server reads the client's next request
+	}
 	b.v.end(b.up.StatusCode(), fastFields(&b.up.Header))
 	var cerr error
 	if s, ok := b.up.BodyStream().(fasthttp.ReadCloserWithError); ok {
 		cerr = s.CloseWithError(err)
 	} else {
 		cerr = b.up.CloseBodyStream()
+	}
+	if b.conn != nil {
+		_ = b.conn.Close()
 	}
 	fasthttp.ReleaseResponse(b.up)
 	return cerr

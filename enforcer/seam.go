@@ -120,6 +120,10 @@ func (o owed) drop() { o.p.Drop() }
 // owes reports whether the request owes anything at its end.
 func (o owed) owes() bool { return o.p != nil }
 
+// holds reports whether the request holds concurrency slots, which its work at the upstream
+// should not outlive: a proxy that can, ends that work when its client leaves.
+func (o owed) holds() bool { return o.p.Holds() }
+
 // judge gives a limiter's result its HTTP status.
 func judge(res limiter.Result) verdict {
 	v := verdict{Result: res, status: http.StatusOK}

@@ -57,6 +57,10 @@ func (l *Limiter) pending(checks []store.Check, rules []matched, out []algorithm
 	return p
 }
 
+// Holds reports whether the request holds leases (of concurrency rules), rather than owing only
+// the charges of its response.
+func (p *Pending) Holds() bool { return p != nil && p.every > 0 }
+
 // renewLater renews on a goroutine of its own: a clock may run AfterFunc's function while it
 // holds its own lock (a fake clock's Step does), which the store's reading of the time needs.
 func (p *Pending) renewLater() { go p.renew() }
