@@ -391,20 +391,19 @@ func TestProxyWhenAClientLeavesBeforeTheResponseBeginsThenItsSlotAndUpstreamRequ
 			e := start(t, policyDoc("slots", slotPolicy), &upstream{Server: up}, nil)
 			ctx, cancel := context.WithCancel(context.Background())
 			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.proxy+"/stream", nil)
-			failed := make(chan error, 1)
+			left := make(chan struct{})
 			go func() {
-				resp, err := newClient().Do(req)
-				if err == nil {
+				defer close(left)
+				if resp, err := newClient().Do(req); err == nil {
 					_ = resp.Body.Close()
 				}
-				failed <- err
 			}()
 			<-arrived
 			if r := get(t, e.proxy+"/stream"); r.StatusCode != http.StatusTooManyRequests {
 				t.Fatalf("while the request waits: %d, want 429", r.StatusCode)
 			}
 			cancel()
-			_ = <-failed // whether the client saw its cancellation or an answer, it left
+			<-left
 			waitUntil(t, "the upstream request ended", func() bool { return inFlight.Load() == 0 })
 			waitUntil(t, "the slot freed", func() bool {
 				ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
