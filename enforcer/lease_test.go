@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/dunglas/httpsfv"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 )
 
 // The two proxy paths a client may take: HTTP/1.1 (fasthttp, in front of an http:// upstream)
@@ -417,5 +418,23 @@ func TestProxyWhenAClientLeavesBeforeTheResponseBeginsThenItsSlotAndUpstreamRequ
 				return resp.StatusCode != http.StatusTooManyRequests
 			})
 		})
+	}
+}
+
+// Envoy's rate limit service cannot see a response either: over RLS, concurrency rules and
+// rules charged by the response are skipped and counted, and never refuse.
+func TestRLSWhenRulesNeedTheResponseThenTheyAreSkippedAndCounted(t *testing.T) {
+	e := start(t, policyDoc("skips", slotPolicy+chargePolicy), nil, nil, withRLS)
+	c, _ := rlsClient(t, e)
+	for range 5 {
+		resp := shouldRateLimit(t, c, "test/skips", descriptor("path", "/stream"), descriptor("path", "/login"), descriptor("path", "/chat"))
+		if resp.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+			t.Fatalf("%v, want OK", resp.GetOverallCode())
+		}
+	}
+	for _, rule := range []string{"slots", "failures", "tokens"} {
+		if got := metric(t, e.admin, `sluice_decisions_total{namespace="test",policy="skips",result="skipped",rule="`+rule+`"}`); got != 5 {
+			t.Errorf("%s skipped %v times, want 5", rule, got)
+		}
 	}
 }
