@@ -325,7 +325,8 @@ func TestProxyWhenResponsesAreChargedThenTheirStatusesAndCostsCount(t *testing.T
 			}
 
 			// 1000: 300 (header) + 400 (trailer 401, clamped to max) + 1 (not a number)
-			// + 1 (repeated) + 1 (missing) = 703, 297 left.
+			// + 1 (repeated) + 1 (missing) = 703, 297 left; then 297 (a 300-digit number,
+			// clamped to max: what is left) exhausts it.
 			for _, path := range []string{"/chat?header=300", "/chat?trailer=401", "/chat?header=-5", "/chat?header=1&header=2", "/chat"} {
 				if status, _ := send(path); status != http.StatusOK {
 					t.Fatalf("%s: %d", path, status)
@@ -335,7 +336,14 @@ func TestProxyWhenResponsesAreChargedThenTheirStatusesAndCostsCount(t *testing.T
 			if _, h := send("/chat?header=0"); !strings.Contains(h.Get("RateLimit"), "r=297") {
 				t.Errorf("RateLimit %q, want r=297 left of 1000", h.Get("RateLimit"))
 			}
-			for result, want := range map[string]float64{"charged": 2, "clamped": 1, "default_cost": 3} {
+			if status, _ := send("/chat?header=" + strings.Repeat("9", 300)); status != http.StatusOK {
+				t.Fatalf("a huge cost: %d, want it forwarded", status)
+			}
+			charged("tokens", 7)
+			if status, _ := send("/chat?header=0"); status != http.StatusTooManyRequests {
+				t.Errorf("after a huge cost: %d, want 429: it charged what was left", status)
+			}
+			for result, want := range map[string]float64{"charged": 2, "clamped": 2, "default_cost": 3} {
 				if got := metric(t, e.admin, `sluice_response_charges_total{namespace="test",policy="charges",result="`+result+`",rule="tokens"}`); got != want {
 					t.Errorf("tokens %s: %v, want %v", result, got, want)
 				}
