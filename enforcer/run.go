@@ -28,19 +28,17 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/buildinfo"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 // Config is everything the enforcer needs. cmd/enforcer fills it from flags and environment.
 type Config struct {
 	// PolicyFile holds one or more RateLimitPolicy documents. It is watched: a valid change
 	// takes effect within ReloadInterval; an invalid one is logged and the last good one stays.
-	PolicyFile     string
-	ReloadInterval time.Duration
+	PolicyFile string
 	// ConfigMap, when set, is watched through the API server, and its policy file is applied
 	// as it changes; PolicyFile then serves at start and while the watch fails.
 	ConfigMap *ConfigMapSource
-	// StorePingInterval is how often the store is pinged for the report. Default 2s.
-	StorePingInterval time.Duration
 	// Upstream receives the requests that pass. Nil serves no proxy (check API only).
 	Upstream *url.URL
 	// Listen, CheckListen and AdminListen are the proxy, check API and admin addresses, and
@@ -48,52 +46,27 @@ type Config struct {
 	Listen, CheckListen, AdminListen, RLSListen string
 	// Redis, when set, is the store; otherwise the memory store, exact for one replica only.
 	Redis *store.RedisOptions
-	// MemoryMaxKeys bounds the memory store's keys. Default 1,000,000.
-	MemoryMaxKeys int
-	// ShutdownDelay is how long, once ctx is done, the enforcer keeps serving while /readyz
-	// fails, so that Service endpoints and load balancers drop it before its listeners close.
-	ShutdownDelay time.Duration
-	// ShutdownTimeout bounds the drain of in-flight requests after the delay: every request
-	// accepted by then is answered within it, leaky-bucket requests held in their queue included.
-	ShutdownTimeout time.Duration
-	// ReadTimeout bounds the reading of a request's header block on every listener: a client
-	// that takes longer gets 408. Default 10s.
-	ReadTimeout time.Duration
-	// WriteTimeout ends a connection whose writes make no progress for that long, on every
-	// listener: a client that stops reading holds nothing for ever. Default DefaultWriteTimeout.
-	WriteTimeout time.Duration
-	// IdleTimeout closes a connection that has carried no request for that long, on every
-	// listener (an HTTP/2 or gRPC connection: no stream). Default DefaultIdleTimeout.
-	IdleTimeout time.Duration
-	// MaxConns bounds the open connections of the proxy, the check API and the rate limit
-	// service together, and MaxConnsPerClient those from one address; a connection over either
-	// is answered 503 or 429 and closed as it is accepted. The admin listener has bounds of its
-	// own. Defaults DefaultMaxConns and DefaultMaxConnsPerClient.
-	MaxConns, MaxConnsPerClient int
 	// UpstreamTLS is the client TLS of an https upstream: its roots, the name its certificate
 	// must hold, and a client certificate. Nil trusts the system roots and names the URL's host.
 	UpstreamTLS *tls.Config
-	// UpstreamConnectTimeout bounds a connection to the upstream (and its TLS handshake);
-	// UpstreamResponseHeaderTimeout the wait for a response header once the request is sent,
-	// which neither a streamed body nor an upgraded connection counts against, nor a gRPC call;
-	// UpstreamIdleTimeout how long an idle pooled connection is kept. Defaults
-	// DefaultUpstreamConnectTimeout, DefaultUpstreamResponseHeaderTimeout and
-	// DefaultUpstreamIdleTimeout. A timed-out upstream is answered 504.
-	UpstreamConnectTimeout, UpstreamResponseHeaderTimeout, UpstreamIdleTimeout time.Duration
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
 	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
 	// time.Now. The Redis store never reads it: its decisions use Redis TIME.
 	Now func() time.Time
 	Log logr.Logger
+	// Enforcer holds the timeouts and bounds; a field left zero takes its default
+	// (settings.Defaults), but ShutdownDelay, whose zero stops at once. Every request accepted
+	// before the drain is answered within ShutdownTimeout, leaky-bucket requests held in their
+	// queue included; the admin listener has connection bounds of its own; neither a streamed
+	// body nor an upgraded connection nor a gRPC call counts against
+	// UpstreamResponseHeaderTimeout.
+	settings.Enforcer
 }
 
 // RedisOptions configure the Redis store of Config.Redis: its topology, addresses, credentials,
 // TLS and the deadline of each call.
 type RedisOptions = store.RedisOptions
-
-// DefaultRedisTimeout bounds each Redis call unless RedisOptions.Timeout says otherwise.
-const DefaultRedisTimeout = store.DefaultTimeout
 
 // Enforcer is a running enforcer.
 type Enforcer struct {
@@ -141,39 +114,7 @@ func Run(ctx context.Context, cfg Config) error {
 // ShutdownDelay, then stop accepting and drain the requests in flight for up to ShutdownTimeout,
 // and only then is the store closed.
 func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
-	if cfg.ReloadInterval <= 0 {
-		cfg.ReloadInterval = time.Second
-	}
-	if cfg.ShutdownTimeout <= 0 {
-		cfg.ShutdownTimeout = 30 * time.Second
-	}
-	if cfg.StorePingInterval <= 0 {
-		cfg.StorePingInterval = 2 * time.Second
-	}
-	if cfg.ReadTimeout <= 0 {
-		cfg.ReadTimeout = 10 * time.Second
-	}
-	if cfg.WriteTimeout <= 0 {
-		cfg.WriteTimeout = DefaultWriteTimeout
-	}
-	if cfg.IdleTimeout <= 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.UpstreamConnectTimeout <= 0 {
-		cfg.UpstreamConnectTimeout = DefaultUpstreamConnectTimeout
-	}
-	if cfg.UpstreamResponseHeaderTimeout <= 0 {
-		cfg.UpstreamResponseHeaderTimeout = DefaultUpstreamResponseHeaderTimeout
-	}
-	if cfg.UpstreamIdleTimeout <= 0 {
-		cfg.UpstreamIdleTimeout = DefaultUpstreamIdleTimeout
-	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
-	if cfg.MaxConnsPerClient <= 0 {
-		cfg.MaxConnsPerClient = DefaultMaxConnsPerClient
-	}
+	cfg.Enforcer = cfg.WithDefaults()
 	data, err := os.ReadFile(cfg.PolicyFile)
 	if err != nil {
 		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
@@ -197,7 +138,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		opts.BreakerFailures, opts.BreakerOpen = 3, time.Second
 		opts.RefusalCache = true
 	} else {
-		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, Now: cfg.Now})
+		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, MaxBytes: cfg.MemoryMaxBytes, Now: cfg.Now})
 	}
 	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{}),
 		panics: newPanics(reg, cfg.Log), conns: newConnMetrics(reg)}

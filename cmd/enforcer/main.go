@@ -26,6 +26,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -37,6 +38,7 @@ import (
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/buildinfo"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 func main() {
@@ -67,31 +69,33 @@ func main() {
 
 func parse(args []string) (enforcer.Config, error) {
 	fs := flag.NewFlagSet("enforcer", flag.ContinueOnError)
+	defaults := settings.Defaults()
 	var (
 		cfg                                   enforcer.Config
 		upstream, redisURL, cluster, sentinel string
 		master, caFile, serverName            string
 		useTLS                                bool
-		timeout                               time.Duration
 		configMap, kubeconfig                 string
 		usernameFile, passwordFile            string
 		logLevel                              string
 		showVersion                           bool
 		upCA, upServerName, upCert, upKey     string
 	)
+	// Settings without a flag of their own keep their defaults too.
+	cfg.Enforcer = defaults
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
 	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass: http://HOST:PORT (HTTP/1.1), https://HOST:PORT (TLS; HTTP/2 when the upstream offers it by ALPN) or h2c://HOST:PORT (cleartext HTTP/2, as gRPC servers speak it).")
 	fs.StringVar(&upCA, "upstream-ca-file", "", "PEM CA bundle that signs an https upstream's certificate; default the system roots.")
 	fs.StringVar(&upServerName, "upstream-server-name", "", "Name to verify in an https upstream's certificate (and send as SNI); default the host of --upstream.")
 	fs.StringVar(&upCert, "upstream-cert-file", "", "PEM client certificate to present to an https upstream; needs --upstream-key-file.")
 	fs.StringVar(&upKey, "upstream-key-file", "", "PEM private key of --upstream-cert-file.")
-	fs.DurationVar(&cfg.UpstreamConnectTimeout, "upstream-connect-timeout", enforcer.DefaultUpstreamConnectTimeout, "Time to connect to the upstream, TLS handshake included; past it, 504.")
-	fs.DurationVar(&cfg.UpstreamResponseHeaderTimeout, "upstream-response-header-timeout", enforcer.DefaultUpstreamResponseHeaderTimeout, "Time the upstream has to start its response once the request is sent; past it, 504 (gRPC DEADLINE_EXCEEDED). A streamed response or upgraded connection that has begun, and a gRPC call (bounded by its own deadline), may last any time.")
-	fs.DurationVar(&cfg.UpstreamIdleTimeout, "upstream-idle-timeout", enforcer.DefaultUpstreamIdleTimeout, "How long an idle pooled upstream connection is kept; keep it below the upstream's keep-alive timeout (gunicorn 2s, Node and uvicorn 5s), so the upstream never closes one the proxy is about to use.")
-	fs.StringVar(&cfg.Listen, "listen", ":8080", "Address of the reverse proxy.")
-	fs.StringVar(&cfg.CheckListen, "check-listen", ":8081", "Address of the check API for ingress forward-auth; empty disables it.")
+	fs.DurationVar(&cfg.UpstreamConnectTimeout, "upstream-connect-timeout", defaults.UpstreamConnectTimeout, "Time to connect to the upstream, TLS handshake included; past it, 504.")
+	fs.DurationVar(&cfg.UpstreamResponseHeaderTimeout, "upstream-response-header-timeout", defaults.UpstreamResponseHeaderTimeout, "Time the upstream has to start its response once the request is sent; past it, 504 (gRPC DEADLINE_EXCEEDED). A streamed response or upgraded connection that has begun, and a gRPC call (bounded by its own deadline), may last any time.")
+	fs.DurationVar(&cfg.UpstreamIdleTimeout, "upstream-idle-timeout", defaults.UpstreamIdleTimeout, "How long an idle pooled upstream connection is kept; keep it below the upstream's keep-alive timeout (gunicorn 2s, Node and uvicorn 5s), so the upstream never closes one the proxy is about to use.")
+	fs.StringVar(&cfg.Listen, "listen", ":"+strconv.Itoa(settings.ProxyPort), "Address of the reverse proxy.")
+	fs.StringVar(&cfg.CheckListen, "check-listen", ":"+strconv.Itoa(settings.CheckPort), "Address of the check API for ingress forward-auth; empty disables it.")
 	fs.StringVar(&cfg.RLSListen, "rls-listen", "", "Address of Envoy's rate limit service (gRPC, envoy.service.ratelimit.v3); empty, the default, disables it.")
-	fs.StringVar(&cfg.AdminListen, "admin-listen", ":9090", "Address of /metrics, /healthz and /readyz; empty disables it.")
+	fs.StringVar(&cfg.AdminListen, "admin-listen", ":"+strconv.Itoa(settings.AdminPort), "Address of /metrics, /healthz and /readyz; empty disables it.")
 	fs.StringVar(&redisURL, "redis-url", "", "Standalone Redis, redis://HOST:PORT/DB or rediss:// for TLS.")
 	fs.StringVar(&cluster, "redis-cluster", "", "Redis Cluster seed nodes, HOST:PORT,HOST:PORT,...")
 	fs.StringVar(&sentinel, "redis-sentinel", "", "Redis Sentinel addresses, HOST:PORT,...; needs --redis-master.")
@@ -101,17 +105,17 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
 	fs.StringVar(&usernameFile, "redis-username-file", "", "File holding the Redis username, read at every new connection; replaces REDIS_USERNAME.")
 	fs.StringVar(&passwordFile, "redis-password-file", "", "File holding the Redis password, read at every new connection, so that a rotated mounted Secret takes effect without a restart; replaces REDIS_PASSWORD.")
-	fs.DurationVar(&timeout, "redis-timeout", enforcer.DefaultRedisTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
-	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
+	fs.DurationVar(&cfg.RedisTimeout, "redis-timeout", defaults.RedisTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
+	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", defaults.ReloadInterval, "How often the policy file is checked for changes.")
 	fs.StringVar(&configMap, "configmap", "", "NAMESPACE/NAME of a ConfigMap to watch through the API server, whose key named as the --policy file holds the policy file; the file then serves at start and while the API server cannot be reached.")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
-	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
-	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
-	fs.IntVar(&cfg.MaxConns, "max-conns", enforcer.DefaultMaxConns, "Open connections the proxy, the check API and the rate limit service hold together; one more is answered 503 and closed. The admin port has its own bounds (256, 64 per address).")
-	fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", enforcer.DefaultMaxConnsPerClient, "Open connections of the proxy, the check API and the rate limit service from one address (behind an ingress, one ingress pod); one more is answered 429 and closed.")
-	fs.DurationVar(&cfg.ReadTimeout, "read-timeout", 10*time.Second, "Time a client has to send a request's header block; past it, 408.")
-	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", enforcer.DefaultWriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
-	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", enforcer.DefaultIdleTimeout, "Time a connection may carry no request (HTTP/2 and gRPC: no stream) before it is closed, on every listener.")
+	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", defaults.ShutdownDelay, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", defaults.ShutdownTimeout, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
+	fs.IntVar(&cfg.MaxConns, "max-conns", defaults.MaxConns, "Open connections the proxy, the check API and the rate limit service hold together; one more is answered 503 and closed. The admin port has its own bounds (256, 64 per address).")
+	fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", defaults.MaxConnsPerClient, "Open connections of the proxy, the check API and the rate limit service from one address (behind an ingress, one ingress pod); one more is answered 429 and closed.")
+	fs.DurationVar(&cfg.ReadTimeout, "read-timeout", defaults.ReadTimeout, "Time a client has to send a request's header block; past it, 408.")
+	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", defaults.WriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
+	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", defaults.IdleTimeout, "Time a connection may carry no request (HTTP/2 and gRPC: no stream) before it is closed, on every listener.")
 	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
 	fs.StringVar(&logLevel, "log-level", "info", "Least level logged: error, info, or debug, which adds every refusal and every failed upstream request (one line each: for finding a problem, not for production traffic).")
 	fs.BoolVar(&showVersion, "version", false, "Print the version, commit and Go version, and exit.")
@@ -192,7 +196,7 @@ func parse(args []string) (enforcer.Config, error) {
 	if set > 1 {
 		return cfg, errors.New("--redis-url, --redis-cluster and --redis-sentinel exclude each other")
 	}
-	opts := enforcer.RedisOptions{Timeout: timeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
+	opts := enforcer.RedisOptions{Timeout: cfg.RedisTimeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
 	if usernameFile != "" || passwordFile != "" {
 		username, password := opts.Username, opts.Password
 		opts.Credentials = func() (string, string) {

@@ -27,14 +27,16 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
-// Ports of the enforcer container and Service.
+// Ports of the enforcer container and Service (the enforcer's own, from settings), and of a
+// managed Redis.
 const (
-	ProxyPort = 8080
-	CheckPort = 8081
-	RLSPort   = 8082
-	AdminPort = 9090
+	ProxyPort = settings.ProxyPort
+	CheckPort = settings.CheckPort
+	RLSPort   = settings.RLSPort
+	AdminPort = settings.AdminPort
 	RedisPort = 6379
 )
 
@@ -52,14 +54,14 @@ const (
 	upstreamClientDir = "/etc/sluice-upstream-client"
 )
 
-// The enforcer's stop on SIGTERM: it serves on with /readyz failing for shutdownDelay, while
-// endpoints drop the pod, then drains for up to shutdownTimeout. The pod's grace period covers
-// both, with a margin, so the kubelet never kills a drain that keeps its promise.
-const (
-	shutdownDelay   = 5 * time.Second
-	shutdownTimeout = 30 * time.Second
-	gracePeriod     = shutdownDelay + shutdownTimeout + 5*time.Second
-)
+// gracePeriod is the enforcer pod's: its stop on SIGTERM serves on with /readyz failing for
+// the shutdown delay, while endpoints drop the pod, then drains for up to the shutdown timeout.
+// The grace period covers both, with a margin, so the kubelet never kills a drain that keeps its
+// promise.
+func gracePeriod() time.Duration {
+	d := settings.Defaults()
+	return d.ShutdownDelay + d.ShutdownTimeout + 5*time.Second
+}
 
 // Annotations and labels.
 const (
@@ -318,8 +320,8 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		fmt.Sprintf("--listen=:%d", ProxyPort),
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
-		"--shutdown-delay=" + shutdownDelay.String(),
-		"--shutdown-timeout=" + shutdownTimeout.String(),
+		"--shutdown-delay=" + settings.Defaults().ShutdownDelay.String(),
+		"--shutdown-timeout=" + settings.Defaults().ShutdownTimeout.String(),
 		"--configmap=" + p.Namespace + "/" + name,
 	}
 	rls := ServesRLS(p)
@@ -445,7 +447,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 					// The token lets the enforcer watch its ConfigMap, all its Role allows.
 					ServiceAccountName:            name,
 					AutomountServiceAccountToken:  ptr.To(true),
-					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod / time.Second)),
+					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod() / time.Second)),
 					SecurityContext:               restrictedPod(),
 					TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{
 						MaxSkew:           1,
