@@ -17,6 +17,8 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -154,9 +156,11 @@ func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 	}
 }
 
-// watched are the kinds the manager writes, counted by countWrites.
+// watched are the kinds the manager writes, counted by countWrites: every kind render.Objects
+// holds, and the policies' status.
 var watched = []client.ObjectList{&v1alpha1.RateLimitPolicyList{}, &corev1.ConfigMapList{}, &corev1.ServiceList{}, &appsv1.DeploymentList{},
-	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}}
+	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}, &networkingv1.NetworkPolicyList{},
+	&policyv1.PodDisruptionBudgetList{}, &corev1.SecretList{}}
 
 // countWrites watches every kind the manager writes for d and returns the writes seen, as
 // "<kind> <namespace>/<name> <event>" with their counts.
