@@ -409,7 +409,7 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 	r.mem.written.Store(key, now)
 	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
 		old, cur := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
-		if cur == nil || old != nil && old.Status == cur.Status {
+		if cur == nil || old != nil && old.Status == cur.Status || old == nil && !newsAtFirst(cur) {
 			continue
 		}
 		kind := corev1.EventTypeNormal
@@ -421,6 +421,21 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 		}
 	}
 	return 0, nil
+}
+
+// newsAtFirst tells whether a condition's first status is worth an event: only a problem the
+// policy will not outgrow by itself, a policy not accepted or degraded from the start. Every new
+// policy is Accepted, not Degraded, and not yet Ready while its enforcer rolls out: telling that
+// would be three events, three writes to the API server, for every new policy. Ready is told when
+// it turns True.
+func newsAtFirst(c *metav1.Condition) bool {
+	switch c.Type {
+	case v1alpha1.ConditionAccepted:
+		return c.Status == metav1.ConditionFalse
+	case v1alpha1.ConditionDegraded:
+		return c.Status == metav1.ConditionTrue
+	}
+	return false
 }
 
 // noticeable tells whether a status change is one a user or a GitOps tool acts on, rather than
