@@ -275,6 +275,9 @@ func scrapeSum(t testing.TB, addr, prefix string) float64 {
 // policy waited from its creation to Programmed and to Ready. Each enforcer process
 // holds about 15 MB: a thousand need about 16 GB.
 //
+// The policies are created by SLUICE_BENCH_CREATORS clients at once (default 8; the ceilings of
+// ceiling_test.go use 64), and s-all-created is when the last was admitted.
+//
 // With SLUICE_BENCH_PROFILE=<dir> it writes the manager's CPU profiles of the first 60 s after
 // the first create (rollout.pprof) and of the steady minute (steady.pprof), and its heap at
 // steady state (heap.pprof), into dir.
@@ -284,6 +287,10 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 	n := 100
 	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
 		n = v
+	}
+	creators := 8
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_CREATORS")); err == nil && v > 0 {
+		creators = v
 	}
 	for b.Loop() {
 		ctx := context.Background()
@@ -321,7 +328,8 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		}
 		start := time.Now()
 		profile("rollout.pprof", "/debug/pprof/profile?seconds=60")
-		populate(b, k8s, ns, n)
+		populateWith(b, k8s, ns, n, creators)
+		created := time.Since(start)
 		var programmed, ready time.Duration
 		for programmed == 0 || ready == 0 {
 			var list v1alpha1.RateLimitPolicyList
@@ -372,6 +380,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			total += w
 		}
 		cpu, rss := mgr.Usage()
+		b.ReportMetric(created.Seconds(), "s-all-created")
 		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")
 		b.ReportMetric(ready.Seconds(), "s-to-all-ready")
 		b.ReportMetric(toProgrammed.Seconds(), "s-max-created-to-programmed")
