@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -279,8 +280,9 @@ func scrapeSum(t testing.TB, addr, prefix string) float64 {
 // ceiling_test.go use 64), and s-all-created is when the last was admitted.
 //
 // With SLUICE_BENCH_PROFILE=<dir> it writes the manager's CPU profiles of the first 60 s after
-// the first create (rollout.pprof) and of the steady minute (steady.pprof), and its heap at
-// steady state (heap.pprof), into dir.
+// the first create (rollout.pprof) and of the steady minute (steady.pprof), its heap at steady
+// state (heap.pprof), and the API server's metrics then (apiserver-metrics.txt: every request of
+// the run by resource and verb), into dir.
 //
 //	SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench PoliciesReachReady -benchtime 1x -timeout 60m ./test/e2e/
 func BenchmarkPoliciesReachReady(b *testing.B) {
@@ -374,6 +376,9 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		writes := countWrites(b, k8s, time.Minute)
 		profile("heap.pprof", "/debug/pprof/heap?gc=1")
 		profiling.Wait()
+		if profiles != "" {
+			saveAPIServerMetrics(b, c.env.Config, filepath.Join(profiles, "apiserver-metrics.txt"))
+		}
 		cpuSteady, _ := mgr.Usage()
 		total := 0
 		for _, w := range writes {
@@ -389,6 +394,29 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		b.ReportMetric(cpu.Seconds(), "manager-cpu-s")
 		b.ReportMetric(100*(cpuSteady-cpuBefore).Seconds()/60, "manager-cpu-%-steady")
 		b.ReportMetric(rss/(1<<20), "manager-MiB-peak-RSS")
+	}
+}
+
+// saveAPIServerMetrics writes the API server's own metrics to file: apiserver_request_total
+// counts every request of the run by resource, subresource and verb, whoever sent it.
+func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	resp, err := hc.Get(strings.TrimSuffix(cfg.Host, "/") + "/metrics")
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	defer func() { _ = resp.Body.Close() }()
+	data, err := io.ReadAll(resp.Body)
+	if err == nil {
+		err = os.WriteFile(file, data, 0o644)
+	}
+	if err != nil {
+		t.Error(err)
 	}
 }
 
