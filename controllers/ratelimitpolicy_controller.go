@@ -74,8 +74,9 @@ type RateLimitPolicyReconciler struct {
 	// FetchReport reads an enforcer pod's report. Default FetchReport over HTTP with a 2s
 	// timeout.
 	FetchReport ReportFetcher
-	// ReportInterval is how often each policy's enforcer reports are read, and the least time
-	// between two status writes that only update counts or messages. Default 10s.
+	// ReportInterval is how often each policy's enforcer reports are read (see reportTicker),
+	// and the least time between two status writes that only update counts or messages.
+	// Default 10s.
 	ReportInterval time.Duration
 
 	// mem is what the reconciler remembers between reconciles; SetupWithManager makes it.
@@ -85,6 +86,7 @@ type RateLimitPolicyReconciler struct {
 // memory is the reconciler's state across reconciles, lost on restart.
 type memory struct {
 	history history
+	reports reportsSeen
 	applied appliedCache
 	// programmed is what each policy's last full apply established.
 	programmed sync.Map // types.NamespacedName -> *programmed
@@ -110,6 +112,7 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
 		if apierrors.IsNotFound(err) {
 			r.mem.history.forget(req.NamespacedName)
+			r.mem.reports.forget(req.NamespacedName)
 			r.mem.applied.forget(req.NamespacedName)
 			r.mem.programmed.Delete(req.NamespacedName)
 			r.mem.written.Delete(req.NamespacedName)
@@ -201,9 +204,9 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval()), Priority: ptr.To(handler.LowPriority)}, nil
 		}
 	}
-	// Replicas report what no event announces: read them again on a clock, after the policies
-	// that an event brought, such as new ones waiting to be programmed.
-	return ctrl.Result{RequeueAfter: r.reportInterval(), Priority: ptr.To(handler.LowPriority)}, nil
+	// Replicas report what no event announces: the report ticker reads them on a clock and
+	// brings the policy back when what they say changed.
+	return ctrl.Result{}, nil
 }
 
 // applyFailed records why applying failed and how to go on.
@@ -235,15 +238,52 @@ func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
 const reportTimeout = 2 * time.Second
 
 // readReports finds the policy's enforcer pods through the API server, reads the report of each
-// that runs, at once, and records their counters.
+// that runs, at once (or takes the one the report ticker read a moment ago), and records their
+// counters.
 func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) error {
-	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}, client.UnsafeDisableDeepCopy); err != nil {
+	running, err := r.enforcerPods(ctx, p)
+	if err != nil {
 		return err
 	}
-	fetch := r.FetchReport
-	if fetch == nil {
-		fetch = defaultFetch
+	for _, pod := range running {
+		obs.pods = append(obs.pods, replica{pod: pod.Name, ready: podReady(pod), err: errors.New("the pod has no IP yet")})
+	}
+	var wg sync.WaitGroup
+	for i, pod := range running {
+		if pod.Status.PodIP == "" {
+			continue
+		}
+		if read, ok := r.mem.reports.fresh(pod, time.Now()); ok {
+			obs.pods[i].report, obs.pods[i].err = read.report, read.err
+			continue
+		}
+		wg.Go(func() {
+			read := r.readReport(ctx, pod)
+			obs.pods[i].report, obs.pods[i].err = read.report, read.err
+		})
+	}
+	wg.Wait()
+	reports := map[types.UID]*report.Report{}
+	for i, pod := range running {
+		reports[pod.UID] = obs.pods[i].report
+	}
+	id := p.Namespace + "/" + p.Name
+	key := client.ObjectKeyFromObject(p)
+	obs.counts = r.mem.history.record(key, func(rule report.Rule) (string, bool) {
+		return rule.Name, rule.Policy == id
+	}, reports, r.clock().Now())
+	// Counts of the last minute move on with the clock until the window has passed the last
+	// decision: the ticker brings the policy back each interval until then.
+	r.mem.reports.setMoving(key, counted(obs.counts))
+	return nil
+}
+
+// enforcerPods are the policy's enforcer pods that are not terminating nor done, found through
+// the cache's index by policy.
+func (r *RateLimitPolicyReconciler) enforcerPods(ctx context.Context, p *v1alpha1.RateLimitPolicy) ([]*corev1.Pod, error) {
+	var pods corev1.PodList
+	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, err
 	}
 	var running []*corev1.Pod
 	for i := range pods.Items {
@@ -253,32 +293,34 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 			continue
 		}
 		running = append(running, pod)
-		obs.pods = append(obs.pods, replica{pod: pod.Name, ready: podReady(pod), err: errors.New("the pod has no IP yet")})
 	}
-	var wg sync.WaitGroup
-	for i, pod := range running {
-		if pod.Status.PodIP == "" {
-			continue
-		}
-		wg.Go(func() {
-			ctx, cancel := context.WithTimeout(ctx, reportTimeout)
-			defer cancel()
-			obs.pods[i].report, obs.pods[i].err = fetch(ctx, pod)
-			if obs.pods[i].err != nil {
-				reportFailures.WithLabelValues(reportFailureReason(obs.pods[i].err)).Inc()
-			}
-		})
+	return running, nil
+}
+
+// reportRead is one read of an enforcer's report: the report or why there is none, and whether
+// that differs from the previous read of the pod.
+type reportRead struct {
+	report  *report.Report
+	err     error
+	changed bool
+}
+
+// readReport reads the report of one enforcer pod, counts the read, and records it for the
+// report ticker to compare the next read with.
+func (r *RateLimitPolicyReconciler) readReport(ctx context.Context, pod *corev1.Pod) reportRead {
+	fetch := r.FetchReport
+	if fetch == nil {
+		fetch = defaultFetch
 	}
-	wg.Wait()
-	reports := map[types.UID]*report.Report{}
-	for i, pod := range running {
-		reports[pod.UID] = obs.pods[i].report
+	started := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	defer cancel()
+	rep, err := fetch(ctx, pod)
+	reportReads.Inc()
+	if err != nil {
+		reportFailures.WithLabelValues(reportFailureReason(err)).Inc()
 	}
-	id := p.Namespace + "/" + p.Name
-	obs.counts = r.mem.history.record(client.ObjectKeyFromObject(p), func(rule report.Rule) (string, bool) {
-		return rule.Name, rule.Policy == id
-	}, reports, r.clock().Now())
-	return nil
+	return reportRead{report: rep, err: err, changed: r.mem.reports.observe(pod, rep, err, started)}
 }
 
 // defaultFetch keeps a connection to every enforcer between reads: net/http's default of 100
@@ -367,7 +409,7 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 	r.mem.written.Store(key, now)
 	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
 		old, cur := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
-		if cur == nil || old != nil && old.Status == cur.Status {
+		if cur == nil || old != nil && old.Status == cur.Status || old == nil && !newsAtFirst(cur) {
 			continue
 		}
 		kind := corev1.EventTypeNormal
@@ -379,6 +421,21 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 		}
 	}
 	return 0, nil
+}
+
+// newsAtFirst tells whether a condition's first status is worth an event: only a problem the
+// policy will not outgrow by itself, a policy not accepted or degraded from the start. Every new
+// policy is Accepted, not Degraded, and not yet Ready while its enforcer rolls out: telling that
+// would be three events, three writes to the API server, for every new policy. Ready is told when
+// it turns True.
+func newsAtFirst(c *metav1.Condition) bool {
+	switch c.Type {
+	case v1alpha1.ConditionAccepted:
+		return c.Status == metav1.ConditionFalse
+	case v1alpha1.ConditionDegraded:
+		return c.Status == metav1.ConditionTrue
+	}
+	return false
 }
 
 // noticeable tells whether a status change is one a user or a GitOps tool acts on, rather than
@@ -461,6 +518,8 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Watches(&v1alpha1.RateLimitPolicy{}, policiesTargeting(func(o client.Object) string {
 			return o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name
 		}), builder.WithPredicates(predicate.GenerationChangedPredicate{})).
+		// Replicas report what no event announces.
+		WatchesRawSource(reportTicker{r}).
 		Complete(r)
 }
 
