@@ -479,18 +479,20 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 	}
 }
 
-// A policy that passed the schema but cannot work (here a sliding log too large to keep) is not
-// accepted, with the reason, and nothing is deployed for it.
+// A policy that passed the schema but cannot work (here a leaky bucket whose maxWait is longer
+// than its queue takes to drain, which CEL cannot say) is not accepted, with the reason, and
+// nothing is deployed for it.
 func TestReconcileWhenSpecIsInvalidThenNotAcceptedAndStalled(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "ctrl")
 	p := newPolicy(ns, "invalid", "api")
-	p.Spec.Rules[0] = v1alpha1.Rule{Name: "huge", SlidingLog: &v1alpha1.Window{Limit: 50_000, Window: "1h"}}
+	p.Spec.Rules[0] = v1alpha1.Rule{Name: "queue", LeakyBucket: &v1alpha1.LeakyBucket{Capacity: 5,
+		Drain: v1alpha1.DrainRate{Requests: 10, Period: "1s"}, MaxWait: ptr.To[v1alpha1.Duration]("1s")}}
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonInvalid)
-	if c := condition(t, p, v1alpha1.ConditionAccepted); c == nil || !strings.Contains(c.Message, "spec.rules[0].slidingLog.limit") {
+	if c := condition(t, p, v1alpha1.ConditionAccepted); c == nil || !strings.Contains(c.Message, "spec.rules[0].leakyBucket.maxWait") {
 		t.Errorf("Accepted message %q does not name the field", c.Message)
 	}
 	if s := kstatus(t, p); s != status.FailedStatus {

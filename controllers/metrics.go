@@ -88,12 +88,6 @@ func init() {
 	}
 }
 
-// failed counts a failed reconcile under reason and returns err.
-func failed(reason string, err error) error {
-	reconcileErrors.WithLabelValues(reason).Inc()
-	return err
-}
-
 // reportError is a report that was read but could not be used.
 type reportError struct {
 	reason string

@@ -106,83 +106,154 @@ type memory struct {
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
-// Reconcile applies the policy's enforcer objects and reports what it observed in status.
+// Reconcile applies the policy's enforcer objects and reports what it observed in status: get,
+// one deferred status write, validate, render and apply, observe. Each step says why it failed
+// (a failure); finish counts and classifies it once.
 func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (res ctrl.Result, retErr error) {
 	p := &v1alpha1.RateLimitPolicy{}
 	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
 		if apierrors.IsNotFound(err) {
-			r.mem.history.forget(req.NamespacedName)
-			r.mem.reports.forget(req.NamespacedName)
-			r.mem.applied.forget(req.NamespacedName)
-			r.mem.programmed.Delete(req.NamespacedName)
-			r.mem.written.Delete(req.NamespacedName)
-			forgetStatus(req.NamespacedName)
+			r.forget(req.NamespacedName)
 			return ctrl.Result{}, nil
 		}
-		return ctrl.Result{}, failed(errRead, err)
+		return ctrl.Result{}, countFailure(&failure{errRead, err})
 	}
 	before := p.DeepCopy()
 	var obs observation
-	defer func() {
-		wait, err := r.writeStatus(ctx, before, p, obs, retErr == nil)
-		if err != nil {
-			retErr = errors.Join(retErr, failed(errStatus, err))
-		}
-		if wait > 0 && (res.RequeueAfter == 0 || wait < res.RequeueAfter) {
-			res.RequeueAfter = wait
-		}
-	}()
+	defer func() { res, retErr = r.finish(ctx, before, p, &obs, res, retErr) }()
 
-	// The same validation as the webhook: a policy that bypassed admission is still judged.
-	if errs := policy.Validate(p); len(errs) > 0 {
-		obs.invalid = errs.ToAggregate().Error()
-		return ctrl.Result{}, nil // nothing to retry until the spec changes
+	target, ok, err := r.validate(ctx, p, &obs)
+	if !ok || err != nil {
+		return ctrl.Result{}, err // an invalid or conflicting policy waits for a change of its spec
 	}
-	other, err := r.olderPolicyOnTarget(ctx, p)
+	prog, err := r.program(ctx, p, target)
 	if err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
-	if other != "" {
-		obs.conflictsWith = other
-		return ctrl.Result{}, nil
-	}
-
-	target := &corev1.Service{}
-	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
-	obs.targetMissing = apierrors.IsNotFound(err)
-	if err := client.IgnoreNotFound(err); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
-	if obs.targetMissing {
-		target = nil
-	}
-	rendered := withServiceProtocol(p, target)
-
-	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
-	// nor compares them again.
-	prog := r.current(ctx, rendered, target)
-	if prog == nil {
-		objs, err := render.Enforcer(rendered, r.Defaults)
-		if err != nil {
-			return ctrl.Result{}, failed(errRender, err)
-		}
-		if err := r.redisPassword(ctx, p, objs); err != nil {
-			return applyFailed(err, &obs)
-		}
-		if objs.Bypass, err = render.Bypass(p, target); err != nil {
-			// Only a change of the Service or of the spec can fix it, and both are watched.
-			obs.applyErr, obs.stalled = err, true
-			_ = failed(errRender, err)
-			return ctrl.Result{}, nil
-		}
-		if err := r.apply(ctx, p, objs); err != nil {
-			return applyFailed(err, &obs)
-		}
-		prog = r.remember(rendered, objs, target)
+		return ctrl.Result{}, err
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
+	return r.observe(ctx, p, prog, &obs)
+}
 
+// forget drops what the manager remembers of a deleted policy.
+func (r *RateLimitPolicyReconciler) forget(key types.NamespacedName) {
+	r.mem.history.forget(key)
+	r.mem.reports.forget(key)
+	r.mem.applied.forget(key)
+	r.mem.programmed.Delete(key)
+	r.mem.written.Delete(key)
+	forgetStatus(key)
+}
+
+// failure is why a step of a reconcile failed: the reason label of
+// sluice_manager_reconcile_errors_total, and the error.
+type failure struct {
+	reason string
+	err    error
+}
+
+func (f *failure) Error() string { return f.err.Error() }
+func (f *failure) Unwrap() error { return f.err }
+
+// countFailure counts a failure under its reason and returns it.
+func countFailure(f *failure) error {
+	reconcileErrors.WithLabelValues(f.reason).Inc()
+	return f
+}
+
+// finish classifies the reconcile's failure, if any, once: it is counted under its reason; an
+// object in the way stalls the policy and is looked at again now and then (no event of ours
+// announces its removal); an object the API server refuses as invalid, or a bypass protection
+// that cannot be rendered, stalls it until the spec or the manager changes, without retries.
+// Then it writes the status, and requeues for the next write it holds back.
+func (r *RateLimitPolicyReconciler) finish(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs *observation, res ctrl.Result, err error) (ctrl.Result, error) {
+	var f *failure
+	if errors.As(err, &f) {
+		var inTheWay *notOwnedError
+		var bypass *bypassError
+		switch {
+		case f.reason == errApply && errors.As(f.err, &inTheWay):
+			f.reason, obs.applyErr, obs.stalled = errInTheWay, f.err, true
+			res, err = ctrl.Result{RequeueAfter: stalledRecheck}, nil
+		case f.reason == errApply && (apierrors.IsInvalid(f.err) || apierrors.IsBadRequest(f.err)):
+			f.reason, obs.applyErr, obs.stalled = errRejected, f.err, true
+			err = reconcile.TerminalError(f)
+		case f.reason == errApply:
+			obs.applyErr = f.err
+		case errors.As(f.err, &bypass):
+			obs.applyErr, obs.stalled = f.err, true
+			err = nil // only a change of the Service or of the spec can fix it, and both are watched
+		}
+		reconcileErrors.WithLabelValues(f.reason).Inc()
+	}
+	wait, serr := r.writeStatus(ctx, before, p, *obs, err == nil)
+	if serr != nil {
+		err = errors.Join(err, countFailure(&failure{errStatus, serr}))
+	}
+	if wait > 0 && (res.RequeueAfter == 0 || wait < res.RequeueAfter) {
+		res.RequeueAfter = wait
+	}
+	return res, err
+}
+
+// validate judges the policy as the webhook does (a policy that bypassed admission is still
+// judged), finds no older policy on its target, and reads the target Service (nil when missing).
+// It reports whether the policy may be programmed.
+func (r *RateLimitPolicyReconciler) validate(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) (*corev1.Service, bool, error) {
+	if errs := policy.Validate(p); len(errs) > 0 {
+		obs.invalid = errs.ToAggregate().Error()
+		return nil, false, nil
+	}
+	other, err := r.olderPolicyOnTarget(ctx, p)
+	if err != nil {
+		return nil, false, &failure{errRead, err}
+	}
+	if other != "" {
+		obs.conflictsWith = other
+		return nil, false, nil
+	}
+	target := &corev1.Service{}
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	if obs.targetMissing = apierrors.IsNotFound(err); obs.targetMissing {
+		return nil, true, nil
+	}
+	if err != nil {
+		return nil, false, &failure{errRead, err}
+	}
+	return target, true, nil
+}
+
+// program renders the policy's objects and applies them, unless the objects are as the last
+// apply left them (a report-only tick neither renders nor compares them again).
+func (r *RateLimitPolicyReconciler) program(ctx context.Context, p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*programmed, error) {
+	rendered := withServiceProtocol(p, target)
+	if prog := r.current(ctx, rendered, target); prog != nil {
+		return prog, nil
+	}
+	objs, err := render.Enforcer(rendered, r.Defaults)
+	if err != nil {
+		return nil, &failure{errRender, err}
+	}
+	if err := r.redisPassword(ctx, p, objs); err != nil {
+		return nil, &failure{errApply, err}
+	}
+	if objs.Bypass, err = render.Bypass(p, target); err != nil {
+		return nil, &failure{errRender, &bypassError{err}}
+	}
+	if err := r.apply(ctx, p, objs); err != nil {
+		return nil, &failure{errApply, err}
+	}
+	return r.remember(rendered, objs, target), nil
+}
+
+// bypassError is a bypass protection that cannot be rendered for the target Service.
+type bypassError struct{ error }
+
+func (e *bypassError) Unwrap() error { return e.error }
+
+// observe reads what the data plane says: the Deployment, the replicas' reports and, when no
+// replica reports, the manager's own probe of Redis.
+func (r *RateLimitPolicyReconciler) observe(ctx context.Context, p *v1alpha1.RateLimitPolicy, prog *programmed, obs *observation) (ctrl.Result, error) {
 	// The Deployment, the target and the pods are only read, never changed, so they are the
 	// cache's own objects rather than deep copies: this runs for every policy on every report tick.
 	dep := &appsv1.Deployment{}
@@ -190,15 +261,14 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		if apierrors.IsNotFound(err) {
 			return ctrl.Result{}, nil
 		}
-		return ctrl.Result{}, failed(errRead, err)
+		return ctrl.Result{}, &failure{errRead, err}
 	}
 	obs.deployment = dep
-	if err := r.readReports(ctx, p, &obs); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
+	if err := r.readReports(ctx, p, obs); err != nil {
+		return ctrl.Result{}, &failure{errRead, err}
 	}
 	// The manager's own probe of Redis speaks only when no replica does.
-	reported := slices.ContainsFunc(obs.pods, func(r replica) bool { return r.report != nil })
-	if !reported {
+	if !slices.ContainsFunc(obs.pods, func(r replica) bool { return r.report != nil }) {
 		var probed bool
 		if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
 			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval()), Priority: ptr.To(handler.LowPriority)}, nil
@@ -207,24 +277,6 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	// Replicas report what no event announces: the report ticker reads them on a clock and
 	// brings the policy back when what they say changed.
 	return ctrl.Result{}, nil
-}
-
-// applyFailed records why applying failed and how to go on.
-func applyFailed(err error, obs *observation) (ctrl.Result, error) {
-	obs.applyErr = err
-	var inTheWay *notOwnedError
-	switch {
-	case errors.As(err, &inTheWay):
-		// Final until someone removes the object, which no event of ours announces: look
-		// again now and then, without the error backoff.
-		obs.stalled = true
-		_ = failed(errInTheWay, err)
-		return ctrl.Result{RequeueAfter: stalledRecheck}, nil
-	case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
-		obs.stalled = true // only a change of the spec, or of the manager, can fix it
-		return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
-	}
-	return ctrl.Result{}, failed(errApply, err)
 }
 
 func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
