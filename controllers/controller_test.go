@@ -3,6 +3,7 @@ package controllers_test
 import (
 	"flag"
 
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
@@ -185,17 +186,12 @@ func newPolicy(ns, name, target string) *v1alpha1.RateLimitPolicy {
 // eventually polls cond until it holds or 10 seconds pass.
 func eventually(t *testing.T, what string, cond func() (bool, string)) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ok, detail := cond()
-		if ok {
-			return
+	poll.WaitFor(t, 10*time.Second, func() error {
+		if ok, detail := cond(); !ok {
+			return fmt.Errorf("%s: %s", what, detail)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 10s: %s", what, detail)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func condition(t *testing.T, p *v1alpha1.RateLimitPolicy, typ string) *metav1.Condition {

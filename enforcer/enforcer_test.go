@@ -1,6 +1,7 @@
 package enforcer_test
 
 import (
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"bufio"
@@ -169,14 +170,10 @@ func standalone(t *testing.T) *store.RedisOptions {
 	return &store.RedisOptions{Addrs: []string{sharedRedis.Addr()}, Timeout: 2 * time.Second}
 }
 
-// waitUntil polls cond every 10ms, for at most 10s, instead of guessing how long something takes.
+// waitUntil polls cond, for at most 10s, instead of guessing how long something takes.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 10s", what)
-		}
-	}
+	poll.WaitFor(t, 10*time.Second, poll.True(what, cond))
 }
 
 func TestMain(m *testing.M) {
@@ -357,12 +354,9 @@ func TestProxyWhenRedisFailsThenEachRuleAppliesItsFailureMode(t *testing.T) {
 				srv.Resume()
 			}
 			back := time.Now()
-			for get(t, e.proxy+"/payments").StatusCode != http.StatusOK {
-				if time.Since(back) > 5*time.Second {
-					t.Fatal("decisions did not go back to Redis within 5s")
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
+			poll.WaitFor(t, 5*time.Second, poll.True("decisions back on Redis", func() bool {
+				return get(t, e.proxy+"/payments").StatusCode == http.StatusOK
+			}))
 			t.Logf("back on Redis after %v", time.Since(back))
 		})
 	}
@@ -549,13 +543,9 @@ func TestEnforcerWhenPolicyFileChangesThenReloadsWithoutLosingState(t *testing.T
 		t.Fatal(err)
 	}
 	// Counters survive: 3 were counted, so the new limit of 5 admits exactly two more.
-	deadline := time.Now().Add(2 * time.Second)
-	for get(t, e.proxy+"/").StatusCode != http.StatusOK {
-		if time.Now().After(deadline) {
-			t.Fatal("the new limit was not enforced within 2s")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	poll.WaitFor(t, 2*time.Second, poll.True("the new limit enforced", func() bool {
+		return get(t, e.proxy+"/").StatusCode == http.StatusOK
+	}))
 	if s := get(t, e.proxy+"/").StatusCode; s != http.StatusOK {
 		t.Errorf("fifth request after reload: %d, want 200", s)
 	}

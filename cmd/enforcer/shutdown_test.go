@@ -1,6 +1,7 @@
 package main
 
 import (
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
@@ -209,14 +210,9 @@ func status(c *http.Client, u string) int {
 	return resp.StatusCode
 }
 
-// eventually polls cond every 20 ms until it holds or timeout passes.
+// eventually polls cond until it holds or timeout passes.
 func eventually(timeout time.Duration, cond func() bool) bool {
-	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-	}
-	return cond()
+	return poll.Until(timeout, poll.True("", cond)) == nil
 }
 
 // waitMetric waits until the admin server's /metrics shows series at want.

@@ -26,6 +26,7 @@ import (
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -85,7 +86,7 @@ func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
 		start := time.Now()
 		populateWith(b, k8s, ns, n, bareWorkers)
 		created := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		b.ReportMetric(time.Since(start).Seconds(), "s-manager")
 		b.ReportMetric(created.Seconds(), "s-manager-all-created")
 		mgr.Stop()

@@ -21,6 +21,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 // Two managers with leader election: kill the leader (SIGKILL, so it cannot hand its lease over)
@@ -58,7 +59,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	}
 	leader := start(backends[0])
 	lease := &coordinationv1.Lease{}
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
 			return err
 		}
@@ -121,7 +122,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	}
 	// The lease can change hands only once it expires: within the lease duration of the last
 	// renewal, and the retry period after that.
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
 			return err
 		}
@@ -132,7 +133,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	})
 	acquired := time.Since(killed)
 	key := types.NamespacedName{Namespace: ns.Name, Name: "sluice-after"}
-	waitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
+	poll.WaitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
 	took := time.Since(killed)
 	time.Sleep(time.Second) // admissions after the switch
 	close(stop)

@@ -26,6 +26,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 // After settling, 200 idle policies cause no writes and no applies: the manager reads their
@@ -62,7 +63,7 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 
 	// Settled: every policy Programmed at its generation, the running ones Ready, and no policy
 	// written for three intervals.
-	waitFor(t, 10*time.Minute, func() error {
+	poll.WaitFor(t, 10*time.Minute, func() error {
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(ctx, &list); err != nil {
 			return err
@@ -413,7 +414,7 @@ func BenchmarkManagerMemory(b *testing.B) {
 		ns := makeNamespace(b, k8s, "memory-")
 		start := time.Now()
 		populate(b, k8s, ns, n)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		programmed := time.Since(start)
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")

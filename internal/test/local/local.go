@@ -26,6 +26,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -190,8 +191,8 @@ func FreeAddr() (string, error) {
 
 // WaitHTTP waits until url answers 200, or the process ends, or timeout passes.
 func WaitHTTP(p *Process, url string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
+	var exited error
+	err := poll.Until(timeout, func() error {
 		resp, err := http.Get(url) //nolint:gosec // loopback address we chose
 		if err == nil {
 			_ = resp.Body.Close()
@@ -201,13 +202,18 @@ func WaitHTTP(p *Process, url string, timeout time.Duration) error {
 			err = fmt.Errorf("%s answered %s", url, resp.Status)
 		}
 		if p.Exited() {
-			return fmt.Errorf("%s exited: %w", p.Name, p.err)
+			exited = fmt.Errorf("%s exited: %w", p.Name, p.err)
+			return nil // no use waiting on
 		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not ready after %v: %w", p.Name, timeout, err)
-		}
-		time.Sleep(100 * time.Millisecond)
+		return err
+	})
+	if exited != nil {
+		return exited
 	}
+	if err != nil {
+		return fmt.Errorf("%s not ready: %w", p.Name, err)
+	}
+	return nil
 }
 
 // StartManager runs the manager binary against env with the webhook where env's webhook
