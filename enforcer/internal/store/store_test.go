@@ -24,6 +24,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -425,13 +426,21 @@ func TestRedisWhenDecisionTimesOutThenItIsNotReplayed(t *testing.T) {
 	if _, err := s.Decide(ctx, checks, out); err != nil { // loads the script
 		t.Fatal(err)
 	}
+	admin := srv.Client(t)
+	ran := redistest.ScriptCalls(t, admin)
 	srv.Pause()
 	_, err := s.Decide(ctx, checks, out)
 	srv.Resume()
 	if err == nil {
 		t.Fatal("decision against a frozen Redis succeeded")
 	}
-	time.Sleep(300 * time.Millisecond) // the frozen script runs now
+	// The frozen script runs now: wait until Redis counts it.
+	poll.WaitFor(t, 10*time.Second, func() error {
+		if n := redistest.ScriptCalls(t, admin); n <= ran {
+			return fmt.Errorf("%d scripts run since the pause", n-ran)
+		}
+		return nil
+	})
 	checks[0].Cost = 0
 	if _, err := s.Decide(ctx, checks, out); err != nil {
 		t.Fatal(err)
