@@ -86,6 +86,20 @@ func StartWithEnv(name string, log io.Writer, env []string, bin string, args ...
 	return p, nil
 }
 
+// Nginx runs the nginx on PATH in the foreground, with dir as its prefix (where its logs go) and
+// the configuration conf, written to dir/nginx.conf. Like every process Start starts, it dies
+// with the test process: its master gets SIGTERM and takes its workers down with it.
+func Nginx(log io.Writer, dir, conf string) (*Process, error) {
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		return nil, fmt.Errorf("the tests need nginx (hack/ensure-nginx.sh): %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(conf), 0o600); err != nil {
+		return nil, err
+	}
+	return Start("nginx", log, bin, "-p", dir, "-c", "nginx.conf", "-g", "daemon off;")
+}
+
 // Exited reports whether the process has ended.
 func (p *Process) Exited() bool {
 	select {
