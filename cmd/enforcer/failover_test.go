@@ -15,9 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
