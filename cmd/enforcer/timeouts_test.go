@@ -49,7 +49,8 @@ func TestEnforcerBinaryWhenAStreamPausesPastTheHeaderTimeoutThenItIsNotCut(t *te
 	up := serveH1(t, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "first\n")
 		_ = http.NewResponseController(w).Flush()
-		time.Sleep(600 * time.Millisecond) // twice the timeout: the pause under test
+		// Real time passes for a real timeout: twice the header timeout, the pause under test.
+		time.Sleep(600 * time.Millisecond)
 		_, _ = io.WriteString(w, "second\n")
 	}))
 	e := startFronting(t, "http://"+up, "--upstream-response-header-timeout=300ms")
