@@ -12,8 +12,15 @@ import (
 // passed. The first retry comes after a millisecond, and the pause doubles up to 100 ms, so a
 // condition that holds soon is seen soon and a slow one costs little.
 func Until(timeout time.Duration, f func() error) error {
+	return Every(100*time.Millisecond, timeout, f)
+}
+
+// Every is Until with pauses that grow up to most rather than 100 ms: for a condition that is
+// costly to check, such as a list of a thousand objects while a benchmark measures the API
+// server.
+func Every(most, timeout time.Duration, f func() error) error {
 	deadline := time.Now().Add(timeout)
-	pause := time.Millisecond
+	pause := min(time.Millisecond, most)
 	for {
 		err := f()
 		if err == nil {
@@ -23,7 +30,7 @@ func Until(timeout time.Duration, f func() error) error {
 			return fmt.Errorf("after %v: %w", timeout, err)
 		}
 		<-time.After(pause)
-		pause = min(2*pause, 100*time.Millisecond)
+		pause = min(2*pause, most)
 	}
 }
 
