@@ -110,7 +110,8 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 			}
 		}
 	})
-	time.Sleep(time.Second) // admissions through both replicas before the kill
+	// Admissions through both replicas before the kill: the forwarder takes them in turn.
+	poll.WaitFor(t, 30*time.Second, poll.True("20 admissions before the kill", func() bool { return admitted.Load()+failed.Load() >= 20 }))
 
 	if err := leader.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
@@ -135,7 +136,9 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	key := types.NamespacedName{Namespace: ns.Name, Name: "sluice-after"}
 	poll.WaitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
 	took := time.Since(killed)
-	time.Sleep(time.Second) // admissions after the switch
+	// Admissions after the switch, through the replica that is left.
+	switched := admitted.Load() + failed.Load()
+	poll.WaitFor(t, 30*time.Second, poll.True("20 admissions after the switch", func() bool { return admitted.Load()+failed.Load() >= switched+20 }))
 	close(stop)
 	wg.Wait()
 
