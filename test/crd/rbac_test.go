@@ -35,12 +35,7 @@ import (
 func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t *testing.T) {
 	tier.Needs(t, "the test control plane and kustomize")
 	ctx := context.Background()
-	env, err := testenv.Start(testenv.WithControllers("clusterrole-aggregation-controller"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = env.Stop() })
-	admin := env.Client
+	admin := env.Client // TestMain's control plane runs the aggregation controller
 
 	// The users' ClusterRoles exactly as make deploy installs them.
 	out, err := kustomizeBuild("config/default")

@@ -4,14 +4,11 @@
 package e2e_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -315,32 +312,6 @@ func waitDegraded(t *testing.T, k8s client.Client, key types.NamespacedName, wan
 type reply struct {
 	StatusCode int
 	Header     http.Header
-}
-
-// cluster is a control plane with the webhook configurations, its kubeconfig, and the binaries.
-type cluster struct {
-	env                     *testenv.Env
-	dir, kubeconfig         string
-	managerBin, enforcerBin string
-}
-
-func startCluster(t testing.TB) *cluster {
-	t.Helper()
-	tier.Needs(t, "the test control plane and the built binaries")
-	env, err := testenv.Start(testenv.WithWebhooks(), testenv.WithControllers())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = env.Stop() })
-	c := &cluster{env: env, dir: t.TempDir()}
-	c.kubeconfig = filepath.Join(c.dir, "kubeconfig")
-	if err := env.WriteKubeconfig(c.kubeconfig); err != nil {
-		t.Fatal(err)
-	}
-	if c.managerBin, c.enforcerBin, err = local.Build(context.Background(), c.dir); err != nil {
-		t.Fatal(err)
-	}
-	return c
 }
 
 // okUpstream serves "ok" to every request until the test ends.
