@@ -300,13 +300,13 @@ func podReady(pod *corev1.Pod) bool {
 func storageKind(p *v1alpha1.RateLimitPolicy) string {
 	switch s := p.Spec.Storage; {
 	case s == nil || s.Memory != nil:
-		return "memory"
+		return report.StoreKind(false, "")
 	case s.ManagedRedis != nil:
 		return "managed-redis"
 	case s.Redis != nil:
-		return "redis-" + strings.ToLower(string(s.Redis.Mode))
+		return report.StoreKind(true, s.Redis.Mode)
 	}
-	return "memory"
+	return report.StoreKind(false, "")
 }
 
 func (r *RateLimitPolicyReconciler) clock() clock.PassiveClock {

@@ -93,6 +93,7 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if !holdConn(ctx.Conn(), v.Wait) {
+		c.limiter.Left()
 		ctx.SetConnectionClose() // the caller gave up: nobody reads the answer
 	}
 }
@@ -128,8 +129,8 @@ func remoteAddr(ctx *fasthttp.RequestCtx) netip.Addr {
 }
 
 // newCheckServer serves the check API with the proxy's limits against slow and oversized
-// clients: readTimeout to read a request, 120 s idle, 64 KiB of header.
-func newCheckServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
+// clients: readTimeout to read a request, idleTimeout between requests, 64 KiB of header.
+func newCheckServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout, idleTimeout time.Duration) *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:               h,
 		ReadTimeout:           readTimeout,

@@ -59,14 +59,16 @@ spec:
 `
 
 // fuzzBed is the proxy and the check API on in-memory listeners, in front of an upstream that
-// counts the requests it reads as /admin.
+// counts the requests it reads as /admin. proxy is served as in front of an http:// upstream
+// (fasthttp, and net/http for h2c); netProxy as in front of an https:// or h2c:// one, where
+// net/http serves HTTP/1.x clients too.
 type fuzzBed struct {
-	proxy, check *fasthttputil.InmemoryListener
-	panics       *panics
-	admin        atomic.Int64
-	limiter      *limiter.Limiter
-	mu           sync.Mutex
-	seen         []string // what the upstream read as /admin
+	proxy, netProxy, check *fasthttputil.InmemoryListener
+	panics                 *panics
+	admin                  atomic.Int64
+	limiter                *limiter.Limiter
+	mu                     sync.Mutex
+	seen                   []string // what the upstream read as /admin
 }
 
 var (
@@ -76,7 +78,7 @@ var (
 
 func fuzzServers(t testing.TB) *fuzzBed {
 	bedOnce.Do(func() {
-		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
+		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), netProxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
 		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			// As the upstream resolves the path: decoded by net/http, cleaned as a router does,
 			// and matched by whole segments as the rule's Prefix is.
@@ -100,12 +102,14 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			panic("the first /admin request was refused")
 		}
 		u, _ := url.Parse(up.URL)
-		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, Log: logr.Discard()},
+		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second, Log: logr.Discard()},
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
 		um := newUpstreamMetrics(prometheus.NewRegistry())
 		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
 		fast.panics = e.panics
-		e.serveProxy(fast, e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard())))(b.proxy)
+		netP := e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard()))
+		e.serveProxy(fast, netP)(b.proxy)
+		e.serveHTTP(netP)(b.netProxy)
 		e.serveCheck(&check{limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
@@ -160,7 +164,8 @@ var rawSeeds = []string{
 	"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
 }
 
-// FuzzProxyHTTP1 sends raw bytes, HTTP/1.0 and 1.1 requests and whatever else, to the proxy.
+// FuzzProxyHTTP1 sends raw bytes, HTTP/1.0 and 1.1 requests and whatever else, to the proxy as
+// it serves each kind of upstream: fasthttp's HTTP/1.1 and net/http's.
 func FuzzProxyHTTP1(f *testing.F) {
 	for _, s := range rawSeeds {
 		f.Add([]byte(s))
@@ -168,6 +173,8 @@ func FuzzProxyHTTP1(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		b := fuzzServers(t)
 		exchange(t, b.proxy, data)
+		b.holds(t, "proxy")
+		exchange(t, b.netProxy, data)
 		b.holds(t, "proxy")
 	})
 }
@@ -199,10 +206,49 @@ func FuzzProxyH2C(f *testing.F) {
 		_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block.Bytes(), EndStream: true, EndHeaders: true})
 		if reset {
 			_ = fr.WriteRSTStream(1, http2.ErrCodeCancel)
+			exchange(t, b.proxy, frames.Bytes()) // the whole wait: the request may still go on
+		} else {
+			answered(t, b.proxy, frames.Bytes())
 		}
-		exchange(t, b.proxy, frames.Bytes())
 		b.holds(t, "proxy")
 	})
+}
+
+// answered writes an HTTP/2 connection's frames and reads until stream 1 is answered in full or
+// reset, or the connection ends; within exchange's deadline. The server keeps an HTTP/2
+// connection open after its answer, so waiting for its end would spend the deadline on every
+// input.
+func answered(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) {
+	c, err := ln.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	_ = c.SetDeadline(time.Now().Add(50 * time.Millisecond))
+	go func() { _, _ = c.Write(data) }()
+	fr := http2.NewFramer(io.Discard, c)
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			return
+		case *http2.RSTStreamFrame:
+			if f.StreamID == 1 {
+				return
+			}
+		case *http2.HeadersFrame:
+			if f.StreamID == 1 && f.StreamEnded() {
+				return
+			}
+		case *http2.DataFrame:
+			if f.StreamID == 1 && f.StreamEnded() {
+				return
+			}
+		}
+	}
 }
 
 // checkStatuses are the answers the check API documents.
@@ -323,6 +369,7 @@ func FuzzFrontEndsAgree(f *testing.F) {
 	f.Add("GET", "/admin", "k")
 	f.Add("get", "//admin/../admin/x", "k")
 	f.Add("POST", "/%61dmin?q", "k")
+	f.Add("GET", "/"+strings.Repeat("a", MaxTargetBytes-1), "k") // at the bound, which nginx's absolute URI once passed
 	f.Add("GET", "/"+strings.Repeat("a", MaxTargetBytes), "k")
 	f.Add("GET", "/a", "k")
 	f.Fuzz(func(t *testing.T, method, target, key string) {
@@ -335,7 +382,7 @@ func FuzzFrontEndsAgree(f *testing.F) {
 		}
 		for i := 1; i < len(got); i++ {
 			if got[i][0] != got[0][0] || got[i][1] != got[0][1] {
-				t.Fatalf("%s %q key %q: front ends decide %v (HTTP/1.1 proxy, h2c proxy, check API, RLS)", method, target, key, got)
+				t.Fatalf("%s %q key %q: front ends decide %v (HTTP/1.1 proxy, h2c proxy, check API for Traefik, check API for nginx, RLS)", method, target, key, got)
 			}
 		}
 	})
@@ -367,7 +414,9 @@ func validTarget(s string) bool {
 }
 
 // frontEnds returns one function per front end that decides a request through it, on a limiter
-// of its own, and says 200, 429 or 400 (414 is 400: RLS has one code for both).
+// of its own, and says 200, 429 or 400 (414 is 400: RLS has one code for both). The nginx
+// endpoint gets the target as nginx builds X-Original-URL, after a client's Host whose port does
+// not parse, and its 403 is read as the 429 it stands for.
 func frontEnds(t *testing.T) []func(method, target, key string) int {
 	b := fuzzServers(t) // for its upstream and for the policies
 	fresh := func() *limiter.Limiter {
@@ -394,6 +443,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	h1 := fresh()
 	h2 := fresh()
 	chk := fresh()
+	ngx := &check{limiter: fresh()}
 	rl := fresh()
 	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
 	um := newUpstreamMetrics(prometheus.NewRegistry())
@@ -428,6 +478,17 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 				h.Set("X-Forwarded-Uri", target)
 				h.Set("X-Api-Key", key)
 			})
+		},
+		func(method, target, key string) int {
+			s := fastDecide(ngx.serve, AuthRequestPath, func(h *fasthttp.RequestHeader) {
+				h.Set("X-Original-Method", method)
+				h.Set("X-Original-Url", "http://shop.example:notaport"+target)
+				h.Set("X-Api-Key", key)
+			})
+			if s == http.StatusForbidden {
+				return http.StatusTooManyRequests
+			}
+			return s
 		},
 		func(method, target, key string) int {
 			resp, err := r.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{{

@@ -15,11 +15,14 @@ import (
 
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
 // A panic in any request path is answered 500 (gRPC INTERNAL), counted, and the server serves the
@@ -258,6 +261,45 @@ func TestRLSWhenDescriptorsMatchMoreRulesThanTheBoundThenRefused(t *testing.T) {
 	}
 }
 
+// A request that matches more than limiter.MaxChecks rules, over all the policies of a file, is
+// 400 on the proxy and the check API and charges nothing; one at the bound is decided.
+func TestProxyWhenARequestMatchesMoreRulesThanTheBoundThen400AndNothingIsCharged(t *testing.T) {
+	rules := func(n int, path string) string {
+		var b strings.Builder
+		for i := range n {
+			fmt.Fprintf(&b, "    - name: r%d\n      match: {path: {value: %s}}\n      fixedWindow: {limit: 100, window: 1h}\n", i, path)
+		}
+		return b.String()
+	}
+	// 64 rules match every path, one more only /over.
+	file := policyDoc("a", rules(32, "/")) + "---\n" + policyDoc("b", rules(32, "/")) + "---\n" + policyDoc("c", rules(1, "/over"))
+	up := newUpstream(t)
+	e := start(t, file, up, nil)
+	remaining := func(r reply) string {
+		_, after, _ := strings.Cut(r.Header.Get("RateLimit"), ";r=")
+		before, _, _ := strings.Cut(after, ";")
+		return before
+	}
+	if r := get(t, e.proxy+"/ok"); r.StatusCode != http.StatusOK || remaining(r) != "99" {
+		t.Fatalf("64 rules: %d, RateLimit %q; want 200 with 99 remaining", r.StatusCode, r.Header.Get("RateLimit"))
+	}
+	for _, u := range []string{e.proxy + "/over", e.check + enforcer.ForwardAuthPath} {
+		var header []string
+		if strings.HasPrefix(u, e.check) {
+			header = []string{"X-Forwarded-Method", "GET", "X-Forwarded-Uri", "/over"}
+		}
+		if r := get(t, u, header...); r.StatusCode != http.StatusBadRequest {
+			t.Errorf("65 rules through %s: %d, want 400", u, r.StatusCode)
+		}
+	}
+	if r := get(t, e.proxy+"/ok"); r.StatusCode != http.StatusOK || remaining(r) != "98" {
+		t.Errorf("after the refusals: %d, RateLimit %q; want 98 remaining, nothing charged by them", r.StatusCode, r.Header.Get("RateLimit"))
+	}
+	if n := up.hits.Load(); n != 2 {
+		t.Errorf("the upstream saw %d requests, want the 2 decided ones", n)
+	}
+}
+
 // Descriptors that repeat each other in one call are charged each: 32 copies of one client's
 // request against a limit of 3 are refused, not charged once; a request's method, path or
 // address given twice is refused.
@@ -322,5 +364,65 @@ func TestProxyWhenAnIdempotencyKeyIsReusedElsewhereThenItIsCharged(t *testing.T)
 	hidden := "GET /admin HTTP/1.1\r\nHost: x\r\nIdempotency-Key: a\r\nConnection: Idempotency-Key, close\r\n\r\n"
 	if s := rawStatus(t, e.ProxyAddr, hidden); s != http.StatusTooManyRequests {
 		t.Errorf("a key named in Connection: %d, want 429 (no key reaches the upstream, so none is decided)", s)
+	}
+}
+
+// A client that leaves while its request is decided (an h2c stream reset while Redis has not
+// answered) or held in a leaky bucket's queue (h2c, and HTTP/1.1 by a closed connection) is
+// counted apart: the decision completes and is charged as usual, and neither the store errors
+// nor the breaker see it. Redis is stopped while the reset arrives, so the decision is in flight
+// whatever the machine's speed; a PING answered after the reset says the server has read it.
+func TestEnforcerWhenClientsLeaveWhileDecidedOrHeldThenTheyAreCountedApart(t *testing.T) {
+	srv := redistest.NewServer(t)
+	e := start(t, policyDoc("left", `    - name: queue
+      match: {path: {type: Prefix, value: /queue}}
+      leakyBucket: {capacity: 5, drain: {requests: 1, period: 1h}}
+    - name: any
+      match: {path: {type: Prefix, value: /any}}
+      fixedWindow: {limit: 1000, window: 1h}
+`), newUpstream(t), &store.RedisOptions{Addrs: []string{srv.Addr()}, Timeout: 10 * time.Second})
+	left := func() float64 { return metric(t, e.admin, "sluice_decisions_cancelled_total") }
+
+	srv.Pause()
+	c := dialH2C(t, e.ProxyAddr)
+	id := c.send("GET", "/any")
+	_ = c.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	_ = c.fr.WritePing(false, [8]byte{'l', 'e', 'f', 't'})
+	for {
+		f, err := c.fr.ReadFrame()
+		if err != nil {
+			srv.Resume()
+			t.Fatal(err)
+		}
+		if p, ok := f.(*http2.PingFrame); ok && p.IsAck() {
+			break
+		}
+	}
+	srv.Resume()
+	waitUntil(t, "the reset during the decision is counted", func() bool { return left() == 1 })
+	if n := metric(t, e.admin, `sluice_decisions_total{namespace="test",policy="left",result="allowed",rule="any"}`); n != 1 {
+		t.Errorf("the decision of the reset request: %v allowed, want 1: decided and charged", n)
+	}
+
+	c = dialH2C(t, e.ProxyAddr)
+	if s := c.status(c.send("GET", "/queue")); s != http.StatusOK {
+		t.Fatalf("the first queued request: %d", s)
+	}
+	_ = c.fr.WriteRSTStream(c.send("GET", "/queue"), http2.ErrCodeCancel) // held for an hour
+	waitUntil(t, "the reset of a held h2c request is counted", func() bool { return left() == 2 })
+
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.WriteString(conn, "GET /queue HTTP/1.1\r\nHost: x\r\n\r\n") // held for two hours
+	_ = conn.Close()
+	waitUntil(t, "the close of a held HTTP/1.1 request is counted", func() bool { return left() == 3 })
+
+	if n := metric(t, e.admin, `sluice_store_errors_total{cause="unavailable"}`); n != 0 {
+		t.Errorf("%v store errors for clients that left", n)
+	}
+	if metric(t, e.admin, "sluice_store_breaker_open") != 0 {
+		t.Error("the breaker opened")
 	}
 }

@@ -192,7 +192,10 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		removeConnectionNamed(r.Header)
 	}
 	// RequestURI is the target as received (HTTP/2's :path), before net/http's own reading.
-	v := decide(p.limiter, &input{method: r.Method, target: r.RequestURI, header: r.Header, peer: peerAddr(r)})
+	v := decide(p.limiter, &input{method: r.Method, target: r.RequestURI, header: r.Header, peer: peerAddr(r), gone: r.Context().Done()})
+	if r.Context().Err() != nil {
+		return // the client left while its request was decided, and was counted: nobody reads an answer
+	}
 	if v.status != http.StatusOK && isGRPC(r.Header) {
 		v.writeGRPC(h)
 		w.WriteHeader(http.StatusOK)
@@ -203,7 +206,7 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		_, _ = w.Write(body)
 		return
 	}
-	if !hold(v.Wait, r.Context().Done()) {
+	if !hold(p.limiter, v.Wait, r.Context().Done()) {
 		return
 	}
 	if c, ok := r.Context().Value(connKey{}).(net.Conn); ok && p.writeTimeout > 0 {

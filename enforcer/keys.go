@@ -69,16 +69,19 @@ func (e *Enforcer) serveKeys(w http.ResponseWriter, r *http.Request) {
 				h.Add(strings.TrimSpace(name), strings.TrimSpace(value))
 			}
 			req.Header = h
+			req.Policy = p.ID
+		}
+		var keys map[string]string
+		if describe {
+			var invalid string
+			if keys, invalid = e.limiter.Keys(&req); invalid != "" {
+				http.Error(w, invalid, http.StatusBadRequest)
+				return
+			}
 		}
 		for i := range p.Rules {
 			rule := &p.Rules[i]
-			rk := ruleKeys{Rule: rule.Name, ID: rule.StateKey, Pattern: store.KeyPrefix + "{*}" + rule.StateKey}
-			if describe && rule.Match.Matches(req.Method, req.Path, req.Header) {
-				addr := limiter.ClientAddr(req.Peer, req.Header, p.TrustedProxies)
-				c := store.Check{Tag: store.Tag(p.ID, limiter.ClientKey(rule.Key, req.Method, req.Path, req.Header, addr)), Rule: rule.StateKey}
-				rk.Key = c.Key()
-			}
-			reply.Rules = append(reply.Rules, rk)
+			reply.Rules = append(reply.Rules, ruleKeys{Rule: rule.Name, ID: rule.StateKey, Pattern: store.RulePattern(rule.StateKey), Key: keys[rule.Name]})
 		}
 	}
 	if reply == nil {

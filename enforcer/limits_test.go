@@ -2,12 +2,24 @@ package enforcer_test
 
 import (
 	"bufio"
+	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"golang.org/x/net/http2"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/sluice-dev/sluice/enforcer"
 )
 
 // rawGet sends a GET whose request line and header block, up to and including the blank line,
@@ -57,5 +69,201 @@ func TestEnforcerWhenTheHeaderBlockIsOver64KiBThenEveryListenerAnswers431(t *tes
 	}
 	if n := metric(t, e.admin, `sluice_decisions_total{namespace="test",policy="limits",result="allowed",rule="any"}`); n != 2 {
 		t.Errorf("%v requests decided, want the 2 of 64 KiB to the proxy and check API", n)
+	}
+}
+
+// A request target's path and query of 8 KiB is decided and one byte more is 414 by every front
+// end, whatever form carries it: origin or absolute form, HTTP/1.1 or h2c, either check endpoint
+// (nginx's absolute URI adds the client's Host, which is not counted), or an RLS path entry.
+func TestEnforcerWhenATargetIsOneBytePast8KiBThenEveryFrontEndAnswers414(t *testing.T) {
+	up := newUpstream(t)
+	e := start(t, policyDoc("targets", `    - name: any
+      fixedWindow: {limit: 1000, window: 1h}
+`), up, nil, withRLS)
+	c, _ := rlsClient(t, e)
+	edge := "/p?" + strings.Repeat("q", enforcer.MaxTargetBytes-3)
+	for _, tc := range []struct {
+		target string
+		want   int
+	}{{edge, http.StatusOK}, {edge + "q", http.StatusRequestURITooLong}} {
+		n := len(tc.target)
+		if s := rawStatus(t, e.ProxyAddr, "GET "+tc.target+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != tc.want {
+			t.Errorf("proxy, a target of %d bytes: %d, want %d", n, s, tc.want)
+		}
+		if s := rawStatus(t, e.ProxyAddr, "GET http://shop.example:8080"+tc.target+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != tc.want {
+			t.Errorf("proxy, an absolute URI with a path and query of %d bytes: %d, want %d", n, s, tc.want)
+		}
+		if s := h2cStatus(t, e.ProxyAddr, "GET", tc.target); s != tc.want {
+			t.Errorf("proxy over h2c, a :path of %d bytes: %d, want %d", n, s, tc.want)
+		}
+		if s := get(t, e.check+enforcer.AuthRequestPath, "X-Original-Method", "GET", "X-Original-Url", "http://shop.example:8080"+tc.target).StatusCode; s != tc.want {
+			t.Errorf("check API for nginx, a path and query of %d bytes: %d, want %d", n, s, tc.want)
+		}
+		if s := get(t, e.check+enforcer.ForwardAuthPath, "X-Forwarded-Method", "GET", "X-Forwarded-Uri", tc.target).StatusCode; s != tc.want {
+			t.Errorf("check API for Traefik, a target of %d bytes: %d, want %d", n, s, tc.want)
+		}
+		_, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/targets", Descriptors: []*rlv3.RateLimitDescriptor{descriptor("path", tc.target)}})
+		if want := map[int]codes.Code{http.StatusOK: codes.OK, http.StatusRequestURITooLong: codes.InvalidArgument}[tc.want]; status.Code(err) != want {
+			t.Errorf("RLS, a path entry of %d bytes: %v, want %v", n, err, want)
+		}
+	}
+	if n := up.hits.Load(); n != 3 {
+		t.Errorf("the upstream saw %d requests, want the 3 of 8 KiB through the proxy", n)
+	}
+}
+
+// The admin port's own budget: 64 connections from one address and 256 in all are served, and
+// one more is refused as it is accepted (429, 503), as the traffic listeners' are.
+func TestAdminWhenItsConnectionsPassTheirBoundsThenTheExtraOnesAreRefused(t *testing.T) {
+	e := start(t, policyDoc("admin-conns", anyRule), nil, nil)
+	healthz := func(local string) int {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+		c, err := d.Dial("tcp", e.AdminAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		_, _ = io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+		return readStatus(c) // the connection stays open: it counts
+	}
+	for i := range 64 {
+		if s := healthz("127.0.0.1"); s != http.StatusOK {
+			t.Fatalf("admin connection %d of 127.0.0.1: %d", i, s)
+		}
+	}
+	if s := healthz("127.0.0.1"); s != http.StatusTooManyRequests {
+		t.Errorf("the 65th admin connection of 127.0.0.1: %d, want 429", s)
+	}
+	for _, local := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		for i := range 64 {
+			if s := healthz(local); s != http.StatusOK {
+				t.Fatalf("admin connection %d of %s: %d", i, local, s)
+			}
+		}
+	}
+	if s := healthz("127.0.0.5"); s != http.StatusServiceUnavailable {
+		t.Errorf("the 257th admin connection: %d, want 503", s)
+	}
+	if s := get(t, e.check+enforcer.ForwardAuthPath, "X-Forwarded-Method", "GET", "X-Forwarded-Uri", "/").StatusCode; s != http.StatusOK {
+		t.Errorf("the check API while the admin port is full: %d, want 200: the budgets are apart", s)
+	}
+}
+
+// A connection that carries no request for the idle timeout is closed by every listener, and not
+// before: HTTP/1.1 after its last response, HTTP/2 and gRPC (no stream) with a GOAWAY.
+func TestEnforcerWhenAConnectionIdlesPastTheIdleTimeoutThenEveryListenerClosesIt(t *testing.T) {
+	const idle = 700 * time.Millisecond
+	e := start(t, policyDoc("idle", anyRule), newUpstream(t), nil, withRLS, func(c *enforcer.Config) { c.IdleTimeout = idle })
+	closedAfter := func(name string, c net.Conn, first string, h2 bool) {
+		t.Helper()
+		defer func() { _ = c.Close() }()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		var began time.Time
+		if h2 {
+			_, _ = io.WriteString(c, http2.ClientPreface)
+			began = time.Now()
+			fr := http2.NewFramer(c, c)
+			_ = fr.WriteSettings()
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					break
+				}
+				if s, ok := f.(*http2.SettingsFrame); ok && !s.IsAck() {
+					_ = fr.WriteSettingsAck()
+				}
+				if _, ok := f.(*http2.GoAwayFrame); ok {
+					break
+				}
+			}
+		} else {
+			_, _ = io.WriteString(c, first)
+			br := bufio.NewReader(c)
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			_ = resp.Body.Close()
+			began = time.Now()
+			if n, err := br.ReadByte(); err == nil {
+				t.Fatalf("%s: read %q after the response, want the connection closed", name, n)
+			}
+		}
+		if d := time.Since(began); d < idle-50*time.Millisecond || d > idle+3*time.Second {
+			t.Errorf("%s: closed %v after it fell idle, want after %v", name, d.Round(time.Millisecond), idle)
+		}
+	}
+	dial := func(addr string) net.Conn {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	closedAfter("proxy", dial(e.ProxyAddr), "GET / HTTP/1.1\r\nHost: x\r\n\r\n", false)
+	closedAfter("proxy over h2c", dial(e.ProxyAddr), "", true)
+	closedAfter("check API", dial(e.CheckAddr), "GET /forward-auth HTTP/1.1\r\nHost: x\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: /\r\n\r\n", false)
+	closedAfter("admin", dial(e.AdminAddr), "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", false)
+	closedAfter("rate limit service", dial(e.RLSAddr), "", true)
+}
+
+// An h2c connection holds at most 100 streams at once: the 101st, sent while the first 100 wait
+// on the upstream, is reset as it arrives (a client that honours SETTINGS waits instead), and
+// the first 100 are answered once the upstream answers.
+func TestProxyWhenAnH2CClientOpensMoreStreamsThanTheBoundThenTheExtraOneIsReset(t *testing.T) {
+	release := make(chan struct{})
+	var arrived atomic.Int64
+	up := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		arrived.Add(1)
+		<-release
+	}))}
+	t.Cleanup(up.Close)
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	e := start(t, policyDoc("streams", anyRule), up, nil)
+	c := dialH2C(t, e.ProxyAddr)
+	for range 101 {
+		c.send("GET", "/held")
+	}
+	const extra = 2*100 + 1 // the 101st stream's ID
+	answered := 0
+	for answered < 100 {
+		f, err := c.fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("%d streams answered, then %v", answered, err)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				_ = c.fr.WriteSettingsAck()
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				_ = c.fr.WritePing(true, f.Data)
+			}
+		case *http2.RSTStreamFrame:
+			if f.StreamID != extra {
+				t.Fatalf("stream %d reset (%v), want only the 101st, %d", f.StreamID, f.ErrCode, extra)
+			}
+			if arrived.Load() > 100 {
+				t.Errorf("the upstream saw %d requests, want at most the first 100", arrived.Load())
+			}
+			close(release) // the extra stream is refused: let the first 100 be answered
+		case *http2.MetaHeadersFrame:
+			if f.StreamID == extra {
+				t.Fatalf("the 101st stream was answered %s while 100 were open", f.PseudoValue("status"))
+			}
+			if s := f.PseudoValue("status"); s != "200" {
+				t.Errorf("stream %d: %s, want 200", f.StreamID, s)
+			}
+			answered++
+		}
 	}
 }

@@ -110,6 +110,7 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if !holdConn(ctx.Conn(), v.Wait) {
+		p.limiter.Left()
 		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
 		return
 	}
@@ -327,13 +328,14 @@ func closeWrite(c net.Conn) {
 }
 
 // newProxyServer serves the proxy's HTTP/1.1 with the limits of the check API: readTimeout to read
-// a request's header block, 120 s idle, 64 KiB of header. Bodies stream: up to 64 KiB is read
-// before the handler runs, the rest while it is forwarded, so uploads of any size pass.
-func newProxyServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout time.Duration) *fasthttp.Server {
+// a request's header block, idleTimeout between requests, 64 KiB of header. Bodies stream: up to
+// 64 KiB is read before the handler runs, the rest while it is forwarded, so uploads of any size
+// pass.
+func newProxyServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout, idleTimeout time.Duration) *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:                      h,
 		IdleTimeout:                  idleTimeout,
-		ReduceMemoryUsage:            true, // an idle connection holds no 64 KiB buffers
+		ReduceMemoryUsage:            true, // an idle connection releases its write buffer; the 64 KiB read buffer stays, as streamed request bodies need it
 		ReadTimeout:                  readTimeout,
 		ReadBufferSize:               64 << 10, // fasthttp's header size limit
 		StreamRequestBody:            true,

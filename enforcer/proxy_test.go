@@ -12,7 +12,9 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -290,39 +292,69 @@ func TestProxyWhenAnHTTP10ClientSendsNoHostThenTheRequestPasses(t *testing.T) {
 	}
 }
 
-// A request that asks to upgrade, to an upstream that does not switch protocols, gets the
-// upstream's answer and a closed connection: no later request on it bypasses the limits.
+// A request that asks to upgrade to anything but WebSocket is refused with 400 and its connection
+// closed, and never reaches the upstream, even one that would switch protocols: once spliced,
+// every request inside the tunnel (HTTP/2 after "Upgrade: h2c") would pass undecided. Both
+// proxies: fasthttp's in front of an http:// upstream, net/http's, which serves HTTP/1.1 clients
+// too, in front of an h2c:// one.
 func TestProxyWhenAnUpgradeIsNotWebSocketThenItIsRefusedAndNothingIsSpliced(t *testing.T) {
-	up := newUpstream(t) // answers every request 200, upgrade or not
-	e := start(t, policyDoc("no-upgrade", `    - name: any
+	var hits atomic.Int64
+	switching := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		if r.ProtoMajor == 1 && r.Header.Get("Upgrade") != "" {
+			c, brw, err := http.NewResponseController(w).Hijack()
+			if err != nil {
+				return
+			}
+			defer func() { _ = c.Close() }()
+			_, _ = brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + r.Header.Get("Upgrade") + "\r\n\r\n")
+			_ = brw.Flush()
+			_, _ = io.Copy(io.Discard, brw) // the tunnel, until the proxy closes it
+		}
+	}))
+	switching.Config.Protocols = new(http.Protocols)
+	switching.Config.Protocols.SetHTTP1(true)
+	switching.Config.Protocols.SetUnencryptedHTTP2(true)
+	switching.Start()
+	t.Cleanup(switching.Close)
+	for _, scheme := range []string{"http", "h2c"} {
+		e := start(t, policyDoc("no-upgrade", `    - name: any
       fixedWindow: {limit: 100, window: 1h}
-`), up, nil)
-	for _, protocol := range []string{"h2c", "tunnel", "TLS/1.2"} {
-		conn, err := net.Dial("tcp", e.ProxyAddr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-		br := bufio.NewReader(conn)
-		_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: "+protocol+"\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
-		resp, err := http.ReadResponse(br, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-		if resp.StatusCode != http.StatusBadRequest || !resp.Close {
-			t.Errorf("Upgrade: %s: %d (close %v), want 400 and the connection closed", protocol, resp.StatusCode, resp.Close)
-		}
-		// Nothing more is read from the connection: the next bytes would be a tunnel's.
-		_, _ = io.WriteString(conn, "GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
-		if resp, err := http.ReadResponse(br, nil); err == nil {
+`), nil, nil, func(c *enforcer.Config) {
+			c.Upstream, _ = url.Parse(scheme + "://" + switching.Listener.Addr().String())
+		})
+		for _, protocol := range []string{"h2c", "tunnel", "TLS/1.2"} {
+			conn, err := net.Dial("tcp", e.ProxyAddr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+			br := bufio.NewReader(conn)
+			_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: "+protocol+"\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
 			_ = resp.Body.Close()
-			t.Errorf("Upgrade: %s: a second request on the connection got %d", protocol, resp.StatusCode)
+			if resp.StatusCode != http.StatusBadRequest || !resp.Close {
+				t.Errorf("%s upstream, Upgrade: %s: %d (close %v), want 400 and the connection closed", scheme, protocol, resp.StatusCode, resp.Close)
+			}
+			// Nothing more is read from the connection: the next bytes would be a tunnel's.
+			_, _ = io.WriteString(conn, "GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+			if resp, err := http.ReadResponse(br, nil); err == nil {
+				_ = resp.Body.Close()
+				t.Errorf("%s upstream, Upgrade: %s: a second request on the connection got %d", scheme, protocol, resp.StatusCode)
+			}
+			_ = conn.Close()
 		}
-		_ = conn.Close()
+		if scheme == "http" {
+			if s := rawStatus(t, e.ProxyAddr, "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"); s != http.StatusSwitchingProtocols {
+				t.Errorf("%s upstream, Upgrade: websocket: %d, want 101: WebSocket is spliced", scheme, s)
+			}
+		}
 	}
-	if n := up.hits.Load(); n != 0 {
-		t.Errorf("the upstream saw %d requests, want none", n)
+	if n := hits.Load(); n != 1 {
+		t.Errorf("the upstream saw %d requests, want the WebSocket upgrade only", n)
 	}
 }

@@ -84,6 +84,9 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	// Detached from the call, as every front end decides (seam.go): Envoy's timeout must not
 	// fail the store.
 	per, overall := s.limiter.DecideAll(context.WithoutCancel(ctx), reqs)
+	if ctx.Err() != nil {
+		s.limiter.Left() // Envoy gave up on the call meanwhile
+	}
 	switch overall.Outcome {
 	case limiter.Invalid:
 		return nil, status.Error(codes.InvalidArgument, overall.Reason)
@@ -160,7 +163,7 @@ func descriptorStatus(r *limiter.Result) *rlsv3.RateLimitResponse_DescriptorStat
 	if r.Outcome == limiter.Limited {
 		st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
 	}
-	if r.Rule == nil {
+	if r.Rule == nil || r.Decision.Limit == 0 { // no rule, or a refusal the store did not decide
 		return st
 	}
 	d := r.Decision

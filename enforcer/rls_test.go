@@ -217,6 +217,13 @@ func TestRLSWhenRedisIsDownThenEachRuleAppliesItsFailureMode(t *testing.T) {
 		if status.Code(err) != codes.Unavailable {
 			t.Errorf("the fail-closed rule with Redis down: %v, want UNAVAILABLE", err)
 		}
+		// Hits no limit holds are refused whatever the store's state: Redis down, the fail-open
+		// rule admits nothing of them.
+		over := descriptor("path", "/catalogue/1")
+		over.HitsAddend = wrapperspb.UInt64(101)
+		if r := shouldRateLimit(t, c, "test/rls-down", over); r.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT || header(r, "Retry-After") != "" {
+			t.Errorf("hits 101 on the fail-open rule with Redis down: %v, Retry-After %q; want OVER_LIMIT without one", r.GetOverallCode(), header(r, "Retry-After"))
+		}
 	}
 	_, err = c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/other", Descriptors: []*rlv3.RateLimitDescriptor{descriptor("path", "/")}})
 	if status.Code(err) != codes.InvalidArgument || !strings.Contains(status.Convert(err).Message(), `"test/other"`) {

@@ -10,7 +10,6 @@ import (
 	"net/http/pprof"
 	"net/url"
 	"os"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -63,6 +62,9 @@ type Config struct {
 	// WriteTimeout ends a connection whose writes make no progress for that long, on every
 	// listener: a client that stops reading holds nothing for ever. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
+	// IdleTimeout closes a connection that has carried no request for that long, on every
+	// listener (an HTTP/2 or gRPC connection: no stream). Default DefaultIdleTimeout.
+	IdleTimeout time.Duration
 	// MaxConns bounds the open connections of the proxy, the check API and the rate limit
 	// service together, and MaxConnsPerClient those from one address; a connection over either
 	// is answered 503 or 429 and closed as it is accepted. The admin listener has bounds of its
@@ -153,6 +155,9 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	}
 	if cfg.WriteTimeout <= 0 {
 		cfg.WriteTimeout = DefaultWriteTimeout
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
 	}
 	if cfg.UpstreamConnectTimeout <= 0 {
 		cfg.UpstreamConnectTimeout = DefaultUpstreamConnectTimeout
@@ -329,9 +334,9 @@ func (e *Enforcer) listenAndServe(servers []server) error {
 
 func storeName(cfg Config) string {
 	if cfg.Redis == nil {
-		return "memory"
+		return report.StoreKind(false, "")
 	}
-	return "redis-" + strings.ToLower(string(cfg.Redis.Mode))
+	return report.StoreKind(true, cfg.Redis.Mode)
 }
 
 // serveHTTP returns a function that runs a net/http server for h with limits against slow and
@@ -348,7 +353,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 		srv := &http.Server{
 			Handler:           h,
 			ReadHeaderTimeout: e.cfg.ReadTimeout,
-			IdleTimeout:       idleTimeout,
+			IdleTimeout:       e.cfg.IdleTimeout,
 			MaxHeaderBytes:    maxHeaderBytes,
 			Protocols:         &protocols,
 			HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: maxStreams},
@@ -369,7 +374,7 @@ func (e *Enforcer) serveHTTP(h http.Handler) func(net.Listener) func(context.Con
 func (e *Enforcer) serveProxy(fast *fastProxy, h2 http.Handler) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
 		split := newSplitListener(ln, e.cfg.ReadTimeout)
-		srv := newProxyServer(e.panics.fast("proxy", fast.serve), e.cfg.Log, e.cfg.ReadTimeout)
+		srv := newProxyServer(e.panics.fast("proxy", fast.serve), e.cfg.Log, e.cfg.ReadTimeout, e.cfg.IdleTimeout)
 		shutdownH1 := e.run(func() error {
 			if err := srv.Serve(split.h1); !errors.Is(err, net.ErrClosed) {
 				return err
@@ -389,12 +394,8 @@ func (e *Enforcer) serveProxy(fast *fastProxy, h2 http.Handler) func(net.Listene
 	}
 }
 
-// idleTimeout closes a connection that has carried no request for that long, on every server;
 // maxStreams bounds the concurrent streams of one HTTP/2 connection (h2c and gRPC).
-const (
-	idleTimeout = 120 * time.Second
-	maxStreams  = 100
-)
+const maxStreams = 100
 
 // maxHeaderBytes makes net/http answer 431 to a request line and header block over 64 KiB, as
 // the check API does: it reads MaxHeaderBytes plus 4096 bytes of slack, and with h2c on it
@@ -405,7 +406,7 @@ const maxHeaderBytes = 64<<10 - 4096 - len("PRI * HTTP/2.0")
 // serveCheck returns a function that runs the check API's server and returns its shutdown.
 func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {
 	return func(ln net.Listener) func(context.Context) error {
-		srv := newCheckServer(e.panics.fast("check", c.serve), e.cfg.Log, e.cfg.ReadTimeout)
+		srv := newCheckServer(e.panics.fast("check", c.serve), e.cfg.Log, e.cfg.ReadTimeout, e.cfg.IdleTimeout)
 		var shutdown atomic.Bool
 		serve := func() error {
 			err := srv.Serve(ln)
@@ -435,7 +436,7 @@ func (e *Enforcer) serveRLS(s *rls) func(net.Listener) func(context.Context) err
 			grpc.MaxRecvMsgSize(MaxRLSMessageBytes),
 			grpc.MaxConcurrentStreams(maxStreams),
 			grpc.ConnectionTimeout(e.cfg.ReadTimeout),
-			grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: idleTimeout}),
+			grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: e.cfg.IdleTimeout}),
 		)...)
 		rlsv3.RegisterRateLimitServiceServer(srv, s)
 		health := grpchealth.NewServer()

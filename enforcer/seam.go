@@ -20,10 +20,10 @@ import (
 //
 //   - the context: detached from the client and bounded by the store's own deadline. A client
 //     that leaves while its decision is in flight neither fails the store (which would open the
-//     breaker for everyone) nor skips the charge;
+//     breaker for everyone) nor skips the charge; it is counted apart, where the protocol tells;
 //   - the path: the request target decoded, dot segments resolved and repeated slashes merged,
-//     as fasthttp reads it; the query dropped; a target over MaxTargetBytes is 414, one that is
-//     not a path or an absolute URI, or holds a '#', 400;
+//     as fasthttp reads it; the query dropped; a path and query over MaxTargetBytes is 414, a
+//     target that is not a path or an absolute URI, or holds a '#', 400;
 //   - the method, upper-cased: a rule for GET also decides "get";
 //   - the identity: the limiter's ClientAddr and ClientKey, where a repeated key header is 400;
 //   - the verdict's status and fields (verdict.write), and the hold of a queued request (hold).
@@ -31,8 +31,8 @@ import (
 // A front end keeps only what its protocol needs: where the method and target come from, the
 // nginx endpoint's statuses, the gRPC codes. docs/enforcer.md lists what still differs.
 
-// MaxTargetBytes bounds a request target (path and query): a longer one is answered 414 by every
-// front end before anything is decided.
+// MaxTargetBytes bounds a request target's path and query (an absolute URI's authority aside): a
+// longer one is answered 414 by every front end before anything is decided.
 const MaxTargetBytes = 8 << 10
 
 // input is what a front end makes of its request.
@@ -41,6 +41,10 @@ type input struct {
 	method, target string
 	header         policy.Header
 	peer           netip.Addr
+	// gone closes when the client leaves, where the protocol tells: an h2c stream reset, a closed
+	// HTTP/1.1 connection under net/http. Nil where it cannot tell without reading the connection
+	// (fasthttp's HTTP/1.1, which learns it while holding a queued request, see holdConn).
+	gone <-chan struct{}
 }
 
 // verdict is the seam's answer.
@@ -67,13 +71,22 @@ func (in *input) request() (limiter.Request, *verdict) {
 	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer}, nil
 }
 
-// decide decides one HTTP request.
+// decide decides one HTTP request, detached from its client; a client that left meanwhile is
+// counted (Limiter.Left).
 func decide(l *limiter.Limiter, in *input) verdict {
 	req, bad := in.request()
 	if bad != nil {
 		return *bad
 	}
-	return judge(l.Decide(context.Background(), &req))
+	v := judge(l.Decide(context.Background(), &req))
+	if in.gone != nil {
+		select {
+		case <-in.gone:
+			l.Left()
+		default:
+		}
+	}
+	return v
 }
 
 // judge gives a limiter's result its HTTP status.
@@ -96,10 +109,6 @@ func judge(res limiter.Result) verdict {
 // authority holds: the upstream reads the path, and a Host that does not parse must not make
 // the path unreadable.
 func requestPath(target string) (string, *verdict) {
-	if len(target) > MaxTargetBytes {
-		v := invalid(http.StatusRequestURITooLong, "request target over "+strconv.Itoa(MaxTargetBytes)+" bytes")
-		return "", &v
-	}
 	if strings.IndexByte(target, '#') >= 0 {
 		// No request target has a fragment (RFC 9112, 3.2). fasthttp would cut the path there,
 		// while an upstream that reads the '#' as part of the path and resolves "/x#/../admin"
@@ -118,6 +127,12 @@ func requestPath(target string) (string, *verdict) {
 			return "/", nil
 		}
 		target = rest[i:]
+	}
+	// The bound is on the path and query, whatever form carries them: nginx's absolute URI adds
+	// the client's Host, which the proxy's origin form does not count.
+	if len(target) > MaxTargetBytes {
+		v := invalid(http.StatusRequestURITooLong, "request target over "+strconv.Itoa(MaxTargetBytes)+" bytes")
+		return "", &v
 	}
 	u := fasthttp.AcquireURI()
 	defer fasthttp.ReleaseURI(u)
@@ -153,8 +168,9 @@ func (v *verdict) write(set func(name, value string)) []byte {
 }
 
 // hold keeps an allowed request for its wait, as a leaky bucket's queue does, and reports false
-// as soon as gone closes: the client left, nobody reads the answer, and the request is released.
-func hold(wait time.Duration, gone <-chan struct{}) bool {
+// as soon as gone closes: the client left, nobody reads the answer, and the request is released
+// and counted (Limiter.Left).
+func hold(l *limiter.Limiter, wait time.Duration, gone <-chan struct{}) bool {
 	if wait <= 0 {
 		return true
 	}
@@ -164,6 +180,7 @@ func hold(wait time.Duration, gone <-chan struct{}) bool {
 	case <-t.C:
 		return true
 	case <-gone:
+		l.Left()
 		return false
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
-	"time"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/algorithm"
@@ -66,7 +65,7 @@ func burstWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
 			continue
 		}
 		for b, burst := range c.Rules {
-			if b == s || horizon(burst.Limit) >= sustained.Limit.Period ||
+			if b == s || burst.Limit.Horizon() >= sustained.Limit.Period ||
 				!reflect.DeepEqual(p.Spec.Rules[b].Match, p.Spec.Rules[s].Match) || !reflect.DeepEqual(burst.Key, sustained.Key) {
 				continue
 			}
@@ -93,14 +92,6 @@ func ruleRef(i int, name string) string { return fmt.Sprintf("spec.rules[%d] (%q
 
 func isWindow(k algorithm.Kind) bool {
 	return k == algorithm.FixedWindow || k == algorithm.SlidingLog || k == algorithm.SlidingWindowCounter
-}
-
-// horizon is how long a rule remembers: a window, or the time to refill or drain a full bucket.
-func horizon(l algorithm.Limit) time.Duration {
-	if isWindow(l.Kind) {
-		return l.Period
-	}
-	return time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
 }
 
 // burstSize is the most a rule admits at one instant: a full bucket, a window's limit, or twice

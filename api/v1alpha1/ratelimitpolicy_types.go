@@ -66,18 +66,20 @@ type RateLimitPolicySpec struct {
 
 	// trustedProxies are the CIDRs of proxies in front of the enforcer. X-Forwarded-For is believed
 	// only when the peer is inside one of them; otherwise the peer address identifies the client.
+	// The X-Forwarded-For, -Host, -Proto and Forwarded fields of such a peer are passed on to the
+	// Service, extended; any other peer's are replaced by what its connection says.
 	// +optional
 	// +listType=set
 	// +kubebuilder:validation:MaxItems=32
 	TrustedProxies []CIDR `json:"trustedProxies,omitempty"`
 
-	// defaultFailureMode is the failureMode of rules that do not set their own.
+	// defaultFailureMode is the failureMode of rules that do not set their own. Defaults to Open.
 	// +optional
 	// +kubebuilder:default=Open
 	DefaultFailureMode FailureMode `json:"defaultFailureMode,omitempty"`
 
 	// storage is where the rules' counters live. Absent means memory: one enforcer replica keeps
-	// them in its own process.
+	// them in its own process (see memory for what it does not keep).
 	// +optional
 	Storage *Storage `json:"storage,omitempty"`
 
@@ -247,6 +249,7 @@ type SecretRef struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.fixedWindow) || !has(self.cost) || self.cost <= self.fixedWindow.limit",message="cost must not exceed fixedWindow.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || !has(self.cost) || self.cost <= self.slidingLog.limit",message="cost must not exceed slidingLog.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingWindowCounter) || !has(self.cost) || self.cost <= self.slidingWindowCounter.limit",message="cost must not exceed slidingWindowCounter.limit: such a request could never pass",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || self.slidingLog.limit <= 10000",message="must be at most 10000: a sliding log keeps one entry per admitted request; use slidingWindowCounter for larger limits",fieldPath=".slidingLog.limit"
 type Rule struct {
 	// name identifies the rule in status, metrics, headers and Redis keys. A DNS label.
 	// +required
@@ -269,10 +272,11 @@ type Rule struct {
 	// +optional
 	FixedWindow *Window `json:"fixedWindow,omitempty"`
 
-	// slidingLog admits limit units in any window-long interval, exactly, by remembering each one:
-	// it never exceeds the limit.
-	// Its memory grows with limit: about 40 bytes per unit in Redis, so limit is at most 10000
-	// (a key of about 400 KB); use slidingWindowCounter for larger limits.
+	// slidingLog admits limit units in any window-long interval, exactly, by remembering each
+	// admitted request and its cost: it never exceeds the limit.
+	// Its memory grows with the requests admitted in a window, one entry each whatever its cost,
+	// about 40 bytes in Redis, so at most limit entries, and limit is at most 10000 (a key of
+	// about 400 KB); use slidingWindowCounter for larger limits.
 	// +optional
 	SlidingLog *Window `json:"slidingLog,omitempty"`
 
@@ -533,7 +537,10 @@ type CIDR string
 //
 // +kubebuilder:validation:XValidation:rule="[has(self.memory), has(self.redis), has(self.managedRedis)].filter(x, x).size() == 1",message="exactly one of memory, redis or managedRedis must be set"
 type Storage struct {
-	// memory keeps counters in the enforcer's own memory. Exact only with one enforcer replica.
+	// memory keeps counters in the enforcer's own memory. Exact only with one enforcer replica,
+	// and only while it keeps them: at most 1,000,000 keys and 128 MiB (past that it evicts the
+	// keys closest to idle, whose clients start afresh), none across a restart of the pod, and
+	// while a rollout runs an old and a new pod side by side each counts alone.
 	// +optional
 	Memory *MemoryStorage `json:"memory,omitempty"`
 
@@ -562,7 +569,7 @@ type MemoryStorage struct{}
 // +kubebuilder:validation:XValidation:rule="self.mode != 'Standalone' || size(self.addresses) == 1",message="mode Standalone takes exactly one address",fieldPath=".addresses"
 type RedisStorage struct {
 	// mode is the Redis topology: Standalone (one server), Sentinel (addresses are sentinels) or
-	// Cluster (addresses are seed nodes).
+	// Cluster (addresses are seed nodes). Defaults to Standalone.
 	// +optional
 	// +kubebuilder:default=Standalone
 	Mode RedisMode `json:"mode,omitempty"`
@@ -633,6 +640,7 @@ const (
 //
 // +kubebuilder:validation:MaxLength=261
 // +kubebuilder:validation:XValidation:rule="self.matches('^([a-zA-Z0-9.-]+|\\\\[[0-9a-fA-F:.]+\\\\]):[0-9]{1,5}$')",message="must be host:port, such as redis.example:6379 or [fd00::1]:6379"
+// +kubebuilder:validation:XValidation:rule="!self.matches(':[0-9]{1,5}$') || (int(self.substring(self.lastIndexOf(':') + 1)) >= 1 && int(self.substring(self.lastIndexOf(':') + 1)) <= 65535)",message="the port must be from 1 to 65535"
 type HostPort string
 
 // CredentialsSecretRef names the Secret keys that hold Redis credentials.
@@ -649,7 +657,7 @@ type CredentialsSecretRef struct {
 	// +kubebuilder:validation:MaxLength=253
 	UsernameKey string `json:"usernameKey,omitempty"`
 
-	// passwordKey is the key of the password.
+	// passwordKey is the key of the password. Defaults to password.
 	// +optional
 	// +kubebuilder:default=password
 	// +kubebuilder:validation:MinLength=1
@@ -688,13 +696,14 @@ type SecretKeyRef struct {
 
 // ManagedRedis is a Redis that the operator runs for this policy, configured as a rate-limit
 // store: no persistence, bounded memory, eviction of keys closest to their expiry.
+// +kubebuilder:validation:XValidation:rule="!has(self.maxMemory) || quantity(string(self.maxMemory)).isGreaterThan(quantity('0'))",message="must be more than 0",fieldPath=".maxMemory"
 type ManagedRedis struct {
 	// image is the Redis image. Absent means the manager's default.
 	// +optional
 	// +kubebuilder:validation:MaxLength=512
 	Image string `json:"image,omitempty"`
 
-	// maxMemory bounds the memory Redis uses for counters.
+	// maxMemory bounds the memory Redis uses for counters. Defaults to 256Mi.
 	// +optional
 	// +kubebuilder:default="256Mi"
 	MaxMemory *resource.Quantity `json:"maxMemory,omitempty"`

@@ -172,3 +172,21 @@ func first(md metadata.MD, key string) string {
 	}
 	return ""
 }
+
+// A gRPC call whose upstream refuses the connection is UNAVAILABLE, the gRPC mapping of the
+// proxy's 502, counted as an upstream error.
+func TestEnforcerBinaryWhenAGRPCUpstreamRefusesConnectionsThenTheCallIsUnavailable(t *testing.T) {
+	dead, _ := net.Listen("tcp", "127.0.0.1:0")
+	addr := dead.Addr().String()
+	_ = dead.Close()
+	e := startFronting(t, "h2c://"+addr)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	_, err := grpcClient(t, e.proxy).UnaryCall(ctx, &testpb.SimpleRequest{})
+	if st := grpcstatus.Convert(err); st.Code() != codes.Unavailable || !strings.Contains(st.Message(), "Bad Gateway") {
+		t.Errorf("%v, want UNAVAILABLE saying Bad Gateway", err)
+	}
+	if n := e.metric(t, `sluice_upstream_failures_total{reason="error"}`); n != 1 {
+		t.Errorf("sluice_upstream_failures_total{reason=\"error\"} = %v, want 1", n)
+	}
+}

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	grpcstatus "google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/sluice-dev/sluice/internal/test/local"
 	"github.com/sluice-dev/sluice/internal/test/poll"
@@ -236,10 +237,26 @@ func TestEnforcerBinaryWhenRLSCallsAreOversizedThenTheyAreRefusedAndTheProcessLi
 	if _, err := c.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "test/hostile", Descriptors: []*rlv3.RateLimitDescriptor{{Entries: entries}}}); grpcstatus.Code(err) != codes.ResourceExhausted {
 		t.Errorf("17 entries: %v, want ResourceExhausted", err)
 	}
-	big := strings.Repeat("v", 70<<10)
-	if _, err := c.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "test/hostile", Descriptors: []*rlv3.RateLimitDescriptor{{
-		Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "x-client", Value: big}}}}}); grpcstatus.Code(err) != codes.ResourceExhausted {
-		t.Errorf("a 70 KiB message: %v, want ResourceExhausted", err)
+	// A message of exactly 64 KiB is decided, one byte more is refused by gRPC.
+	sized := func(size int) *rlsv3.RateLimitRequest {
+		req := &rlsv3.RateLimitRequest{Domain: "test/hostile", Descriptors: []*rlv3.RateLimitDescriptor{{
+			Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "x-client", Value: ""}}}}}
+		e := req.Descriptors[0].Entries[0]
+		// The value fills what the rest does not take, less the bytes its lengths' varints grow.
+		for n := size - proto.Size(req); n > 0; n-- {
+			if e.Value = strings.Repeat("v", n); proto.Size(req) <= size {
+				break
+			}
+		}
+		if proto.Size(req) != size {
+			t.Fatalf("a message of %d bytes, want %d", proto.Size(req), size)
+		}
+		return req
+	}
+	for size, want := range map[int]codes.Code{64 << 10: codes.OK, 64<<10 + 1: codes.ResourceExhausted} {
+		if _, err := c.ShouldRateLimit(ctx, sized(size)); grpcstatus.Code(err) != want {
+			t.Errorf("a message of %d bytes: %v, want %v", size, err, want)
+		}
 	}
 	h.alive(t)
 }

@@ -111,6 +111,7 @@ func parse(args []string) (enforcer.Config, error) {
 	fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", enforcer.DefaultMaxConnsPerClient, "Open connections of the proxy, the check API and the rate limit service from one address (behind an ingress, one ingress pod); one more is answered 429 and closed.")
 	fs.DurationVar(&cfg.ReadTimeout, "read-timeout", 10*time.Second, "Time a client has to send a request's header block; past it, 408.")
 	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", enforcer.DefaultWriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
+	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", enforcer.DefaultIdleTimeout, "Time a connection may carry no request (HTTP/2 and gRPC: no stream) before it is closed, on every listener.")
 	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
 	fs.StringVar(&logLevel, "log-level", "info", "Least level logged: error, info, or debug, which adds every refusal and every failed upstream request (one line each: for finding a problem, not for production traffic).")
 	fs.BoolVar(&showVersion, "version", false, "Print the version, commit and Go version, and exit.")
@@ -140,7 +141,7 @@ func parse(args []string) (enforcer.Config, error) {
 	}
 	cfg.Log = logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: logLevels[logLevel]}))
 	for name, v := range map[string]int64{"--max-conns": int64(cfg.MaxConns), "--max-conns-per-client": int64(cfg.MaxConnsPerClient),
-		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout),
+		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout), "--idle-timeout": int64(cfg.IdleTimeout),
 		"--upstream-connect-timeout": int64(cfg.UpstreamConnectTimeout), "--upstream-response-header-timeout": int64(cfg.UpstreamResponseHeaderTimeout),
 		"--upstream-idle-timeout": int64(cfg.UpstreamIdleTimeout)} {
 		if v <= 0 {

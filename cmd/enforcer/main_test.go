@@ -11,10 +11,12 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/report"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // decide parses the flags and runs an enforcer with the Redis store they describe and a policy
@@ -29,7 +31,7 @@ func decide(t *testing.T, flags ...string) (int, error) {
 		t.Fatal(err)
 	}
 	// A timeout long enough for go-redis's dial attempts to end in the TLS error itself.
-	cfg, err := parse(append([]string{"--policy=" + file, "--redis-timeout=5s", "--listen=",
+	cfg, err := parse(append([]string{"--policy=" + file, "--redis-timeout=5s",
 		"--check-listen=127.0.0.1:0", "--admin-listen=127.0.0.1:0", "--shutdown-delay=0s"}, flags...))
 	if err != nil {
 		t.Fatal(err)
@@ -43,10 +45,18 @@ func decide(t *testing.T, flags ...string) (int, error) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cancel(); _ = e.Wait() })
+	// The store's health as the report gives it, once a ping has ended in more than a timeout (the
+	// first ping has a second; the next come every two).
 	var r report.Report
-	if err := getJSON("http://"+e.AdminAddr+report.Path, &r); err != nil {
-		t.Fatal(err)
-	}
+	testenv.WaitFor(t, 15*time.Second, func() error {
+		if err := getJSON("http://"+e.AdminAddr+report.Path, &r); err != nil {
+			return err
+		}
+		if !r.Store.Connected && r.Store.Cause == report.CauseTimeout {
+			return errors.New(r.Store.Message)
+		}
+		return nil
+	})
 	if !r.Store.Connected {
 		return 0, errors.New(r.Store.Message)
 	}
@@ -131,7 +141,7 @@ func TestRedisFlagsWhenSentinelThenDecisionsGoToTheMasterItNames(t *testing.T) {
 func TestFlagsWhenAConnectionBoundIsNotPositiveThenRefusedNamingIt(t *testing.T) {
 	for flag, values := range map[string][2]string{
 		"--max-conns": {"1", "0"}, "--max-conns-per-client": {"1", "0"},
-		"--read-timeout": {"1ms", "0s"}, "--write-timeout": {"1ms", "0s"},
+		"--read-timeout": {"1ms", "0s"}, "--write-timeout": {"1ms", "0s"}, "--idle-timeout": {"1ms", "0s"},
 		"--upstream-connect-timeout": {"1ms", "0s"}, "--upstream-response-header-timeout": {"1ms", "0s"}, "--upstream-idle-timeout": {"1ms", "0s"},
 	} {
 		if _, err := parse([]string{"--policy=p.yaml", flag + "=" + values[0]}); err != nil {

@@ -49,8 +49,14 @@ type binaryEnforcer struct {
 
 func startFronting(t *testing.T, upstream string, flags ...string) *binaryEnforcer {
 	t.Helper()
+	return startFrontingWith(t, upstreamPolicy, upstream, flags...)
+}
+
+// startFrontingWith is startFronting with a policy file of the caller's.
+func startFrontingWith(t *testing.T, policy, upstream string, flags ...string) *binaryEnforcer {
+	t.Helper()
 	file := filepath.Join(t.TempDir(), "policy.yaml")
-	if err := os.WriteFile(file, []byte(upstreamPolicy), 0o600); err != nil {
+	if err := os.WriteFile(file, []byte(policy), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	e := &binaryEnforcer{log: &local.Output{}}

@@ -182,9 +182,9 @@ func measureAccuracy(arrivals []arrival, limit int64) accuracy {
 			errs = append(errs, math.Abs(est-float64(truth))/float64(truth)*100)
 		}
 		var dS, dF, dE Decision
-		c.swc, dS = swc.Take(c.swc, a.at, 1)
-		c.fixed, dF = fixed.Take(c.fixed, a.at, 1)
-		c.exact, dE = exact.Take(c.exact, a.at, 1)
+		c.swc, dS = swc.Take(c.swc, time.UnixMicro(int64(a.at)), 1)
+		c.fixed, dF = fixed.Take(c.fixed, time.UnixMicro(int64(a.at)), 1)
+		c.exact, dE = exact.Take(c.exact, time.UnixMicro(int64(a.at)), 1)
 		if dS.Allowed {
 			c.bySWC.add(a.at, window)
 		}

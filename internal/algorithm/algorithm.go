@@ -1,10 +1,10 @@
 // Package algorithm holds the five rate-limit algorithms as pure functions of
 // (state, now, limit, cost) -> (state, Decision). Time is an argument, never read here.
 //
-// Times are microseconds since the Unix epoch held in float64, the number type of Redis Lua: the
-// Redis store runs the same arithmetic, operation for operation, in scripts/decide.lua, so that
-// both stores reach identical decisions. Microsecond timestamps stay below 2^53, where float64
-// integers are exact.
+// The API takes a time.Time. Inside, and in State, times are microseconds since the Unix epoch
+// held in float64, the number type of Redis Lua: the Redis store runs the same arithmetic,
+// operation for operation, in scripts/decide.lua, so that both stores reach identical
+// decisions. Microsecond timestamps stay below 2^53, where float64 integers are exact.
 package algorithm
 
 import (
@@ -114,23 +114,35 @@ func (l Limit) Layout() string {
 // letter is the kind's one-letter tag in Layout.
 func (k Kind) letter() string { return string("?tlfsc"[min(int(k), 5)]) }
 
-// Micros converts a time to microseconds since the epoch, the unit of State.
+// Horizon is how long the rule remembers, the time its quota refers to: the window, or the time
+// an empty bucket takes to fill (a full queue to drain).
+func (l Limit) Horizon() time.Duration {
+	switch l.Kind {
+	case TokenBucket, LeakyBucket:
+		return time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
+	}
+	return l.Period
+}
+
+// Micros converts a time to microseconds since the epoch, the unit of State and of the Lua
+// script's arguments.
 func Micros(t time.Time) float64 { return float64(t.UnixMicro()) }
 
-// Take decides a request of cost units at now (in microseconds, see Micros). It returns the new
-// state, which the caller stores only if the request is charged. Cost 0 checks without
-// charging: the returned state equals st.
+// Take decides a request of cost units at now. It returns the new state, which the caller
+// stores only if the request is charged. Cost 0 checks without charging: the returned state
+// equals st. Now counts in whole microseconds, as Redis TIME does.
 //
 // A cost above the rule's limit, or below zero, is refused at once with Never set: whatever
 // multiplied it (RLS hits_addend times the rule's cost), no state could ever admit it. Every
 // other cost is at most the limit, so the arithmetic below stays within it.
-func (l Limit) Take(st State, now float64, cost int64) (State, Decision) {
+func (l Limit) Take(st State, now time.Time, cost int64) (State, Decision) {
+	us := Micros(now)
 	if cost < 0 || cost > l.Limit {
-		next, d := l.take(st, now, 0)
+		next, d := l.take(st, us, 0)
 		d.Allowed, d.Never, d.RetryAfter, d.Wait = false, true, 0, 0
 		return next, d
 	}
-	return l.take(st, now, cost)
+	return l.take(st, us, cost)
 }
 
 func (l Limit) take(st State, now float64, cost int64) (State, Decision) {

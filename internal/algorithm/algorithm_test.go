@@ -23,7 +23,7 @@ func run(t *testing.T, l algorithm.Limit, steps []step) []algorithm.Decision {
 	var st algorithm.State
 	var ds []algorithm.Decision
 	for i, s := range steps {
-		next, d := l.Take(st, algorithm.Micros(t0.Add(s.at)), s.cost)
+		next, d := l.Take(st, t0.Add(s.at), s.cost)
 		if d.Allowed {
 			st = next
 		}
@@ -67,7 +67,7 @@ func TestEveryAlgorithmWhenCostIsZeroThenNothingIsCharged(t *testing.T) {
 	for _, l := range allKinds(5, time.Minute) {
 		t.Run(l.Kind.String(), func(t *testing.T) {
 			var st algorithm.State
-			now := algorithm.Micros(t0)
+			now := t0
 			for range 20 {
 				var d algorithm.Decision
 				st, d = l.Take(st, now, 0)
@@ -125,7 +125,7 @@ func TestFixedWindowWhenBurstStraddlesBoundaryThenTwiceTheLimitPasses(t *testing
 	for _, at := range []time.Duration{999 * time.Millisecond, time.Second} {
 		for range 15 {
 			var d algorithm.Decision
-			next, d := l.Take(st, algorithm.Micros(t0.Add(at)), 1)
+			next, d := l.Take(st, t0.Add(at), 1)
 			if d.Allowed {
 				st = next
 				passed++
@@ -145,7 +145,7 @@ func TestSlidingWindowCounterWhenHalfwayThenPreviousWindowWeighsHalf(t *testing.
 	idx := t0.UnixMicro() / window
 	st := algorithm.State{W: float64(idx), N: 40, P: 80}
 	start := time.UnixMicro(idx * window)
-	now := algorithm.Micros(start.Add(30 * time.Second))
+	now := start.Add(30 * time.Second)
 	_, d := l.Take(st, now, 0)
 	if d.Remaining != 20 {
 		t.Fatalf("remaining at half the window = %d, want 20 (100 - 80)", d.Remaining)
@@ -198,7 +198,7 @@ func TestEveryAlgorithmWhenRefusedThenSameRequestPassesAtRetryAfter(t *testing.T
 			for i := range 5000 {
 				now = now.Add(time.Duration(rng.IntN(400_000)) * time.Microsecond)
 				cost := int64(1 + rng.IntN(3))
-				next, d := l.Take(st, algorithm.Micros(now), cost)
+				next, d := l.Take(st, now, cost)
 				if d.Allowed {
 					st = next
 					continue
@@ -207,7 +207,7 @@ func TestEveryAlgorithmWhenRefusedThenSameRequestPassesAtRetryAfter(t *testing.T
 				if d.RetryAfter <= 0 {
 					t.Fatalf("step %d: refused with retry-after %v", i, d.RetryAfter)
 				}
-				if _, again := l.Take(st, algorithm.Micros(now.Add(d.RetryAfter)), cost); !again.Allowed {
+				if _, again := l.Take(st, now.Add(d.RetryAfter), cost); !again.Allowed {
 					t.Fatalf("step %d: refused at %v with retry-after %v, still refused then: %+v", i, now, d.RetryAfter, again)
 				}
 			}
@@ -223,12 +223,12 @@ func TestEveryAlgorithmWhenResetPassesThenTheFullLimitIsAvailable(t *testing.T) 
 	for _, l := range allKinds(4, time.Second) {
 		t.Run(l.Kind.String(), func(t *testing.T) {
 			var st algorithm.State
-			now := algorithm.Micros(t0.Add(123 * time.Millisecond))
+			now := t0.Add(123 * time.Millisecond)
 			var d algorithm.Decision
 			for range 3 {
 				st, d = l.Take(st, now, 1)
 			}
-			_, after := l.Take(st, now+float64(d.Reset.Microseconds()), 0)
+			_, after := l.Take(st, now.Add(d.Reset), 0)
 			if after.Remaining != 4 {
 				t.Errorf("at reset (%v) remaining = %d, want 4", d.Reset, after.Remaining)
 			}
@@ -275,7 +275,7 @@ func TestEveryAlgorithmWhenCostExceedsTheLimitThenRefusedAsNever(t *testing.T) {
 	for _, l := range allKinds(5, time.Minute) {
 		for _, cost := range []int64{6, 1000, math.MaxInt64, -1, math.MinInt64} {
 			var st algorithm.State
-			now := algorithm.Micros(t0)
+			now := t0
 			st, _ = l.Take(st, now, 2)
 			next, d := l.Take(st, now, cost)
 			want := algorithm.Decision{Limit: 5, Remaining: 3, Reset: d.Reset, Never: true}

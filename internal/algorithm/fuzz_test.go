@@ -35,7 +35,7 @@ func FuzzTakeWhenAnyLimitCostAndClockThenNeverPanicsNorAdmitsMoreThanTheLimit(f 
 		var admitted []algorithm.LogEntry // every admission, for the oracles
 		first := 0.0
 		for i := 0; i+1 < len(steps); i += 2 {
-			now += float64(steps[i]) * float64(steps[i]) * window / 1024 // often 0, up to 64 windows
+			now = math.Floor(now + float64(steps[i])*float64(steps[i])*window/1024) // often 0, up to 64 windows; whole µs
 			var cost int64
 			switch c := steps[i+1]; {
 			case c < 200:
@@ -50,7 +50,7 @@ func FuzzTakeWhenAnyLimitCostAndClockThenNeverPanicsNorAdmitsMoreThanTheLimit(f 
 			default:
 				cost = -int64(c)
 			}
-			next, d := l.Take(st, now, cost)
+			next, d := l.Take(st, time.UnixMicro(int64(now)), cost)
 			never := cost < 0 || cost > l.Limit
 			if d.Never != never || d.Never && (d.Allowed || d.RetryAfter != 0) {
 				t.Fatalf("step %d, %+v cost %d: %+v", i/2, l, cost, d)

@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/dunglas/httpsfv"
-
-	"github.com/sluice-dev/sluice/internal/algorithm"
 )
 
 // Fields are a rule's members of the RateLimit-Policy and RateLimit response fields of
@@ -31,7 +29,7 @@ func newFields(r *Rule) Fields {
 	if err != nil {
 		return Fields{} // a name that is no sf-string: the schema allows none
 	}
-	return Fields{name: name, Policy: name + ";q=" + strconv.FormatInt(r.Limit.Limit, 10) + ";w=" + strconv.FormatInt(max(1, Seconds(quotaWindow(r.Limit))), 10)}
+	return Fields{name: name, Policy: name + ";q=" + strconv.FormatInt(r.Limit.Limit, 10) + ";w=" + strconv.FormatInt(max(1, Seconds(r.Limit.Horizon())), 10)}
 }
 
 // Limit is the RateLimit member for remaining units r and a reset in t seconds, built in one
@@ -50,13 +48,3 @@ func (f Fields) Limit(remaining, reset int64) string {
 
 // Seconds rounds a duration up to whole seconds: a client that waits them is never early.
 func Seconds(d time.Duration) int64 { return int64(math.Ceil(d.Seconds())) }
-
-// quotaWindow is the time the quota refers to: the window, or the time an empty bucket takes to
-// fill.
-func quotaWindow(l algorithm.Limit) time.Duration {
-	switch l.Kind {
-	case algorithm.TokenBucket, algorithm.LeakyBucket:
-		return time.Duration(float64(l.Period) * float64(l.Limit) / float64(l.Rate))
-	}
-	return l.Period
-}

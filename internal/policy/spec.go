@@ -17,20 +17,17 @@ import (
 // its rules apply their failureMode, so a longer timeout turns a Redis outage into a stall.
 const MaxRedisTimeout = 5 * time.Second
 
-// validateSpec checks the parts of the spec outside the rules that the schema cannot: the
-// enforcer against its storage, resources, Redis's timeout, and the label syntax of the bypass
-// protection's sources.
+// validateSpec checks the parts of the spec outside the rules that the schema cannot: requests
+// within limits, Redis's timeout, a managed Redis's memory within its limit, and the label syntax
+// of the bypass protection's sources.
 func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.ErrorList {
 	var errs field.ErrorList
-	shared := false
 	if st := s.Storage; st != nil {
 		p := spec.Child("storage")
 		if st.Redis != nil {
-			shared = true
 			errs = append(errs, validateRedis(st.Redis, p.Child("redis"))...)
 		}
 		if st.ManagedRedis != nil {
-			shared = true
 			errs = append(errs, validateManagedRedis(st.ManagedRedis, p.Child("managedRedis"))...)
 		}
 	}
@@ -41,12 +38,7 @@ func validateSpec(s *v1alpha1.RateLimitPolicySpec, spec *field.Path) field.Error
 		}
 	}
 	if e := s.Enforcer; e != nil {
-		p := spec.Child("enforcer")
-		if e.Replicas != nil && *e.Replicas > 1 && !shared {
-			errs = append(errs, field.Invalid(p.Child("replicas"), *e.Replicas,
-				"memory storage keeps counters inside one enforcer, so enforcer.replicas must be 1; use storage.redis or storage.managedRedis to run more replicas"))
-		}
-		errs = append(errs, validateResources(e.Resources, p.Child("resources"))...)
+		errs = append(errs, validateResources(e.Resources, spec.Child("enforcer", "resources"))...)
 	}
 	return errs
 }
@@ -65,14 +57,11 @@ func validateRedis(r *v1alpha1.RedisStorage, p *field.Path) field.ErrorList {
 
 func validateManagedRedis(m *v1alpha1.ManagedRedis, p *field.Path) field.ErrorList {
 	var errs field.ErrorList
-	if mm := m.MaxMemory; mm != nil {
-		switch {
-		case mm.Sign() <= 0:
-			errs = append(errs, field.Invalid(p.Child("maxMemory"), mm.String(), "must be more than 0"))
-		case m.Resources != nil && m.Resources.Limits.Memory() != nil && !m.Resources.Limits.Memory().IsZero() && mm.Cmp(*m.Resources.Limits.Memory()) > 0:
-			errs = append(errs, field.Invalid(p.Child("maxMemory"), mm.String(), fmt.Sprintf(
-				"must not exceed resources.limits.memory (%s): Redis would be killed for running out of memory before it evicts", m.Resources.Limits.Memory())))
-		}
+	// The schema holds maxMemory above 0; its memory limit is in another field.
+	if mm := m.MaxMemory; mm != nil && m.Resources != nil && m.Resources.Limits.Memory() != nil &&
+		!m.Resources.Limits.Memory().IsZero() && mm.Cmp(*m.Resources.Limits.Memory()) > 0 {
+		errs = append(errs, field.Invalid(p.Child("maxMemory"), mm.String(), fmt.Sprintf(
+			"must not exceed resources.limits.memory (%s): Redis would be killed for running out of memory before it evicts", m.Resources.Limits.Memory())))
 	}
 	return append(errs, validateResources(m.Resources, p.Child("resources"))...)
 }

@@ -6,7 +6,10 @@ package report
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"strings"
 	"time"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
 )
 
 // Path is where the admin server serves the report.
@@ -43,7 +46,7 @@ const (
 
 // Store is the store's health as the replica sees it.
 type Store struct {
-	// Kind is memory, redis-standalone, redis-sentinel or redis-cluster.
+	// Kind is memory, redis-standalone, redis-sentinel or redis-cluster: StoreKind.
 	Kind string `json:"kind"`
 	// Connected is false when the last ping failed; Cause and Message then say why.
 	Connected bool `json:"connected"`
@@ -110,4 +113,16 @@ func (c Counters) Sub(o Counters) Counters {
 func Revision(policyFile []byte) string {
 	sum := sha256.Sum256(policyFile)
 	return hex.EncodeToString(sum[:8])
+}
+
+// StoreKind names a store in reports and in status: memory, or redis- and the Redis topology in
+// lower case (mode "" is Standalone, as the store takes it).
+func StoreKind(redis bool, mode v1alpha1.RedisMode) string {
+	if !redis {
+		return "memory"
+	}
+	if mode == "" {
+		mode = v1alpha1.RedisStandalone
+	}
+	return "redis-" + strings.ToLower(string(mode))
 }

@@ -411,9 +411,14 @@ func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *te
 	tier.Needs(t, "helm and the test control plane")
 	ctx := context.Background()
 	const release, ns = "sluice", "sluice-helm"
-	if _, err := runHelm("install", release, "charts/sluice", "--namespace", ns, "--create-namespace"); err != nil {
+	// README's install and upgrade commands, in a namespace of the test's own.
+	const managerImage, enforcerImage = "ghcr.io/sluice-dev/sluice-manager:v0.1.0", "registry.example/sluice-enforcer:v0.1.0"
+	installed, err := runHelm("install", release, "charts/sluice", "--namespace", ns, "--create-namespace",
+		"--set", "manager.image.tag=v0.1.0", "--set", "enforcer.image="+enforcerImage)
+	if err != nil {
 		t.Fatal(err)
 	}
+	notes := notesCommands(t, installed, ns)
 	crd := &apiextensionsv1.CustomResourceDefinition{}
 	waitEstablished(t, crd)
 	// No manager runs here to answer the webhook: take its configuration away, as the test
@@ -434,8 +439,19 @@ func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *te
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
+	// The NOTES' commands: the manager's rollout (no Deployment controller or kubelet runs here,
+	// so the command can only be seen waiting, where a wrong name would be NotFound), then a
+	// sample applied and listed.
+	if out, _ := kubectl(notes["rollout"], "--timeout=1s"); !strings.Contains(out, "Waiting for deployment") {
+		t.Errorf("NOTES' %v: %s; want it waiting for the manager's Deployment", notes["rollout"], out)
+	}
+	if out, err := kubectl(notes["apply"]); err != nil {
+		t.Errorf("NOTES' %v: %v\n%s", notes["apply"], err, out)
+	} else if out, err := kubectl(notes["get"]); err != nil || !strings.Contains(out, "public-api") {
+		t.Errorf("NOTES' %v: %s %v; want the applied sample listed", notes["get"], out, err)
+	}
 
-	if _, err := runHelm("upgrade", release, "charts/sluice", "--namespace", ns, "--set", "manager.replicas=2,manager.logLevel=debug"); err != nil {
+	if _, err := runHelm("upgrade", release, "charts/sluice", "--namespace", ns, "--reuse-values", "--set", "manager.replicas=2,manager.logLevel=debug"); err != nil {
 		t.Fatal(err)
 	}
 	after := &apiextensionsv1.CustomResourceDefinition{}
@@ -457,6 +473,10 @@ func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *te
 	if replicas != 2 || !strings.Contains(fmt.Sprint(containers), "--zap-log-level=debug") {
 		t.Errorf("after the upgrade: %d replicas, containers %v; want 2 and debug logs", replicas, containers)
 	}
+	// --reuse-values kept what the install set.
+	if c := fmt.Sprint(containers); !strings.Contains(c, "image:"+managerImage) || !strings.Contains(c, "--enforcer-image="+enforcerImage) {
+		t.Errorf("after the upgrade: containers %v; want the installed images, %s and %s, kept", containers, managerImage, enforcerImage)
+	}
 
 	if _, err := runHelm("uninstall", release, "--namespace", ns); err != nil {
 		t.Fatal(err)
@@ -473,6 +493,82 @@ func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *te
 	if names := releaseNames(t, ns); slices.Contains(names, release) {
 		t.Errorf("helm still lists the release: %v", names)
 	}
+	// The NOTES say how to remove the CRD and every policy too.
+	if _, err := kubectl(notes["delete"]); err != nil {
+		t.Fatalf("NOTES' %v: %v", notes["delete"], err)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(after), after); !apierrors.IsNotFound(err) && after.DeletionTimestamp == nil {
+		t.Errorf("the CRD after the NOTES' delete: %v, want it gone or going", err)
+	}
+}
+
+// README's `kubectl apply -k config/prometheus`, as a server-side dry run with the real kubectl
+// against the Prometheus Operator's CRDs: the API server accepts every object.
+func TestPrometheusKustomizationWhenAppliedWithKubectlThenTheAPIServerAcceptsEveryObject(t *testing.T) {
+	tier.Needs(t, "the test control plane and kubectl")
+	sys := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}
+	if err := k8s.Create(context.Background(), sys); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	out, err := kubectl([]string{"apply", "-k", filepath.Join(testenv.RepoRoot(), "config", "prometheus"), "--dry-run=server"})
+	if err != nil {
+		t.Fatalf("kubectl apply -k config/prometheus: %v\n%s", err, out)
+	}
+	for _, want := range []string{"servicemonitor.monitoring.coreos.com/", "podmonitor.monitoring.coreos.com/", "prometheusrule.monitoring.coreos.com/"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("kubectl applied no %s...:\n%s", want, out)
+		}
+	}
+}
+
+// notesCommands are the kubectl commands of the NOTES that helm install printed, by their verb
+// (rollout, apply, get, delete), made runnable here: the namespace placeholder is the test's
+// shop, a sample's URL is its file in this checkout, and get does not watch.
+func notesCommands(t *testing.T, installed, ns string) map[string][]string {
+	t.Helper()
+	_, notes, ok := strings.Cut(installed, "NOTES:")
+	if !ok {
+		t.Fatalf("helm install printed no NOTES:\n%s", installed)
+	}
+	if !strings.Contains(notes, "port 8080, the proxy") || !strings.Contains(notes, "check API (port 8081)") {
+		t.Errorf("NOTES do not give the proxy port 8080 and the check port 8081:\n%s", notes)
+	}
+	const samples = "https://raw.githubusercontent.com/sluice-dev/sluice/main/"
+	cmds := map[string][]string{}
+	for line := range strings.Lines(notes) {
+		args := strings.Fields(line)
+		if len(args) < 2 || args[0] != "kubectl" {
+			continue
+		}
+		args = slices.DeleteFunc(args[1:], func(a string) bool { return a == "-w" })
+		for i, a := range args {
+			a = strings.ReplaceAll(a, "<namespace>", "shop")
+			if rest, ok := strings.CutPrefix(a, samples); ok {
+				a = filepath.Join(testenv.RepoRoot(), filepath.FromSlash(rest))
+			}
+			args[i] = a
+		}
+		verb := args[0]
+		if verb == "-n" && len(args) > 2 {
+			verb = args[2]
+		}
+		cmds[verb] = args
+	}
+	for _, verb := range []string{"rollout", "apply", "get", "delete"} {
+		if cmds[verb] == nil {
+			t.Fatalf("the NOTES have no kubectl %s; the test runs each of them:\n%s", verb, notes)
+		}
+	}
+	if !slices.Contains(cmds["rollout"], ns) {
+		t.Errorf("NOTES' %v: want the release namespace %s", cmds["rollout"], ns)
+	}
+	return cmds
+}
+
+// kubectl runs the real kubectl against the test control plane.
+func kubectl(args []string, extra ...string) (string, error) {
+	out, err := exec.Command(env.Kubectl(), append(append([]string{"--kubeconfig", kubeconfig}, args...), extra...)...).CombinedOutput()
+	return string(out), err
 }
 
 func waitEstablished(t *testing.T, crd *apiextensionsv1.CustomResourceDefinition) {

@@ -74,6 +74,42 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 			want:  []string{"password that the manager generates once", "PodDisruptionBudget", "without persistence", "fail-open rules admit every request"},
 		},
 		{
+			name:    "when a rule's cost, mode and path type are explained then their defaults are the description's, not the schema's",
+			field:   "rlp.spec.rules.cost",
+			want:    []string{"Defaults to 1"},
+			notWant: []string{"default: 1", "DEFAULT"},
+		},
+		{
+			name:    "when a rule's mode is explained then its default is the description's",
+			field:   "rlp.spec.rules.mode",
+			want:    []string{"Defaults to Enforce"},
+			notWant: []string{"default: Enforce"},
+		},
+		{
+			name:    "when a path match's type is explained then its default is the description's",
+			field:   "rlp.spec.rules.match.path.type",
+			want:    []string{"Defaults to Prefix"},
+			notWant: []string{"default: Prefix"},
+		},
+		// kubectl explain prints no schema default: the descriptions of the fields that have one
+		// name it.
+		{name: "when defaultFailureMode is explained then its default is named", field: "rlp.spec.defaultFailureMode", want: []string{"Defaults to Open"}},
+		{name: "when the Redis mode is explained then its default is named", field: "rlp.spec.storage.redis.mode", want: []string{"Defaults to Standalone"}},
+		{name: "when the Redis timeout is explained then its default is named", field: "rlp.spec.storage.redis.timeout", want: []string{"Defaults to 50ms"}},
+		{name: "when passwordKey is explained then its default is named", field: "rlp.spec.storage.redis.credentialsSecretRef.passwordKey", want: []string{"Defaults to password"}},
+		{name: "when a managed Redis's maxMemory is explained then its default is named", field: "rlp.spec.storage.managedRedis.maxMemory", want: []string{"Defaults to 256Mi"}},
+		{
+			name:  "when memory storage is explained then what it does not keep is said",
+			field: "rlp.spec.storage.memory",
+			want:  []string{"Exact only with one enforcer replica", "at most 1,000,000 keys and 128 MiB", "none across a restart", "while a rollout runs"},
+		},
+		{
+			name:    "when the sliding log is explained then its memory is per admitted request",
+			field:   "rlp.spec.rules.slidingLog",
+			want:    []string{"one entry each whatever its cost", "limit is at most 10000"},
+			notWant: []string{"bytes per unit"},
+		},
+		{
 			name:  "when conditions are explained then all six types are named",
 			field: "rlp.status.conditions",
 			want:  []string{"Accepted", "Programmed", "Ready", "Degraded", "Reconciling", "Stalled"},

@@ -2,6 +2,7 @@ package limiter_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"testing"
@@ -59,6 +60,72 @@ func TestLimiterWhenHitsTimesCostExceedTheLimitThenRefusedAsNever(t *testing.T) 
 				t.Errorf("a request of cost 2 afterwards: %+v, want allowed with 3 remaining", res)
 			}
 		})
+	}
+}
+
+const neverPolicies = `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: hits, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  rules:
+    - name: open
+      match: {path: {value: /open}}
+      key: [{type: RemoteAddress}]
+      failureMode: Open
+      cost: 2
+      slidingLog: {limit: 5, window: 1h}
+    - name: closed
+      match: {path: {value: /closed}}
+      key: [{type: RemoteAddress}]
+      failureMode: Closed
+      fixedWindow: {limit: 5, window: 1h}
+`
+
+// A cost that can never pass is refused as such when the store cannot answer too, before the
+// breaker opens and after: the store would refuse it whatever its state, so a fail-open rule
+// must not admit it, nor a fail-closed one turn it into a 503 that promises a retry. Costs the
+// rule can hold still follow the failure modes, and descriptors repeated in one call are held
+// to their sum.
+func TestLimiterWhenTheStoreCannotAnswerThenACostNoLimitHoldsIsStillRefusedAsNever(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	fs := &fakeStore{err: errors.New("dial tcp: connection refused")}
+	l := limiter.New(limiter.Options{Store: fs, Metrics: limiter.NewMetrics(reg), BreakerFailures: 3, BreakerOpen: time.Hour})
+	l.SetPolicies(policies(t, neverPolicies))
+	ctx := context.Background()
+	with := func(path string, hits int64) *limiter.Request {
+		r := request(path, "192.0.2.1")
+		r.Hits = hits
+		return r
+	}
+	for i := range 5 { // three failures open the breaker: the rest never reach the store
+		if res := l.Decide(ctx, with("/open", 3)); res.Outcome != limiter.Limited || !res.Never || res.RetryAfter != 0 || res.Rule == nil || res.Rule.Name != "open" {
+			t.Errorf("decision %d, cost 6 on a fail-open sliding log of 5: %+v, want Limited, never, no Retry-After", i, res)
+		}
+		if res := l.Decide(ctx, with("/closed", 6)); res.Outcome != limiter.Limited || !res.Never || res.RetryAfter != 0 {
+			t.Errorf("decision %d, cost 6 on a fail-closed window of 5: %+v, want Limited, never, not Unavailable", i, res)
+		}
+	}
+	if !l.BreakerOpen() {
+		t.Fatal("the breaker is closed after the store failed")
+	}
+	if res := l.Decide(ctx, with("/open", 2)); res.Outcome != limiter.Allowed {
+		t.Errorf("cost 4 on the fail-open rule: %+v, want its failure mode, Allowed", res)
+	}
+	if res := l.Decide(ctx, with("/closed", 5)); res.Outcome != limiter.Unavailable {
+		t.Errorf("cost 5 on the fail-closed rule: %+v, want its failure mode, Unavailable", res)
+	}
+	per, all := l.DecideAll(ctx, []limiter.Request{*with("/closed", 1), *with("/open", 3)})
+	if all.Outcome != limiter.Limited || !all.Never || per[0].Outcome != limiter.Unavailable {
+		t.Errorf("a fail-closed request beside a never-passing one: %+v overall (%+v first), want the never refusal overall", all, per[0])
+	}
+	if _, all := l.DecideAll(ctx, []limiter.Request{*with("/open", 2), *with("/open", 1)}); all.Outcome != limiter.Limited || !all.Never {
+		t.Errorf("one client's requests of cost 4 and 2 together on a limit of 5: %+v, want never", all)
+	}
+	for rule, want := range map[string]float64{"open": 8, "closed": 5} {
+		if n := ruleMetric(t, reg, rule, "limited"); n != want {
+			t.Errorf("rule %s: %v limited decisions, want %v: one per never-passing check", rule, n, want)
+		}
 	}
 }
 
@@ -168,4 +235,21 @@ func TestLimiterWhenARepeatComesFromAnotherClientOrPolicyThenItIsCharged(t *test
 			}
 		})
 	}
+}
+
+// ruleMetric is a rule's sluice_decisions_total of one result.
+func ruleMetric(t *testing.T, reg *prometheus.Registry, rule, result string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			if f.GetName() == "sluice_decisions_total" && hasLabel(m.GetLabel(), "rule", rule) && hasLabel(m.GetLabel(), "result", result) {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
 }

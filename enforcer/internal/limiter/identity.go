@@ -2,7 +2,6 @@ package limiter
 
 import (
 	"net/netip"
-	"strconv"
 	"strings"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -55,41 +54,4 @@ func RepeatedKeyHeader(keys []policy.KeySource, header policy.Header) string {
 		}
 	}
 	return ""
-}
-
-// ClientKey is the identity of a request's client under a rule: its key sources, each
-// length-prefixed so that no value can imitate another. A rule without key sources has one
-// bucket for all requests it matches.
-//
-// A request that lacks a key source's header is keyed by its client address instead, under a
-// marker that no present header can produce: anonymous requests are limited per address, never
-// pooled into one bucket shared with every other such request.
-func ClientKey(keys []policy.KeySource, method, path string, header policy.Header, addr netip.Addr) string {
-	if len(keys) == 0 {
-		return ""
-	}
-	var b strings.Builder
-	part := func(kind byte, v string) {
-		b.WriteByte(kind)
-		b.WriteString(strconv.Itoa(len(v)))
-		b.WriteByte(':')
-		b.WriteString(v)
-	}
-	for _, k := range keys {
-		switch k.Type {
-		case v1alpha1.KeyRemoteAddress:
-			part('a', addr.String())
-		case v1alpha1.KeyMethod:
-			part('m', method)
-		case v1alpha1.KeyPath:
-			part('p', path)
-		case v1alpha1.KeyHeader:
-			if values := header.Values(k.Header); len(values) > 0 {
-				part('h', values[0]) // one value: RepeatedKeyHeader refuses more
-			} else {
-				part('!', addr.String())
-			}
-		}
-	}
-	return b.String()
 }

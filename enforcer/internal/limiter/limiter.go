@@ -107,7 +107,8 @@ type Result struct {
 	RetryAfter time.Duration
 	// Never is, for a refusal, that the same request can never pass: its cost (the rule's cost
 	// times Hits) exceeds an enforced rule's capacity or limit. RetryAfter is then 0, and a front
-	// end sends no Retry-After, which would promise otherwise.
+	// end sends no Retry-After, which would promise otherwise. It is so whether or not the store
+	// answers (see failureModes).
 	Never bool
 	// Rule is the rule the response's RateLimit headers describe: the refusing rule, or the
 	// enforced rule closest to its limit. Nil when no enforced rule has a decision to show.
@@ -175,12 +176,33 @@ func New(opts Options) *Limiter {
 }
 
 // SetPolicies replaces the policies. Counters live in the store under the policies' and rules'
-// names, so unchanged rules keep their state. The refusal cache is emptied: a refusal under the
-// old rules says nothing about the new ones.
+// names (each rule's StateKey, set here), so unchanged rules keep their state. The refusal cache
+// is emptied: a refusal under the old rules says nothing about the new ones.
 func (l *Limiter) SetPolicies(ps []*policy.Policy) {
+	for _, p := range ps {
+		for i := range p.Rules {
+			if r := &p.Rules[i]; r.StateKey == "" {
+				r.StateKey = store.RuleID(p.ID, r.Name, r.Limit.Layout())
+			}
+		}
+	}
 	l.policies.Store(&ps)
 	l.refusals.clear()
 	l.metrics.serve(ps)
+}
+
+// Keys names the store key of each rule of the request's policy (Request.Policy) that the request
+// matches, by rule name, as its decision would charge it; or why the request cannot be decided.
+func (l *Limiter) Keys(req *Request) (map[string]string, string) {
+	checks, rules, _, invalid := l.collect(req, nil, nil)
+	if invalid != "" {
+		return nil, invalid
+	}
+	keys := make(map[string]string, len(checks))
+	for i := range checks {
+		keys[rules[i].rule.Name] = checks[i].Key()
+	}
+	return keys, ""
 }
 
 // Policies are the policies in force.
@@ -267,7 +289,7 @@ func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 		if cancelled(ctx, err) {
 			return l.cancelled(rules)
 		}
-		return l.failureModes(rules, err)
+		return l.failureModes(checks, rules, err)
 	}
 	return jitter(l.result(checks, rules, out, charged, cache))
 }
@@ -317,7 +339,7 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 				// makes no other request (another route under the same client key) a repeat.
 				idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()+" "+req.Method+" "+req.Path), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
 			}
-			if key := ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
+			if key := store.ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
 				lastKey, lastTag = key, store.Tag(p.ID, key)
 			}
 			if len(checks) == MaxChecks {
@@ -403,6 +425,13 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		}
 		return per, res
 	}
+	if err != nil {
+		// A merged check's cost is the sum its requests asked for together: the one that can
+		// never pass when the store cannot answer either.
+		for i, j := range same {
+			checks[i].Cost = merged[j].Cost
+		}
+	}
 	overall := Result{Outcome: Allowed}
 	for i := range reqs {
 		b, e := bounds[i], bounds[i+1]
@@ -410,19 +439,31 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		case b == e:
 			per[i] = Result{Outcome: Allowed}
 		case err != nil:
-			per[i] = l.failureModes(rules[b:e], err)
+			per[i] = l.failureModes(checks[b:e], rules[b:e], err)
 		default:
 			per[i] = jitter(l.result(checks[b:e], rules[b:e], out[b:e], charged, cache))
 		}
-		switch r := per[i]; {
-		case r.Outcome == Unavailable && overall.Outcome != Unavailable,
-			r.Outcome == Limited && (overall.Outcome == Allowed || overall.Outcome == Limited && outranks(&r, &overall)):
-			overall = r
-		case i == 0:
+		if r := per[i]; i == 0 || reports(&r, &overall) {
 			overall = r
 		}
 	}
 	return per, overall
+}
+
+// reports tells whether result a, rather than b, is the overall one of several requests decided
+// together: a refusal that can never pass first, since no failure mode may admit it; then a
+// fail-closed rule's unavailable store; then the refusal outranks prefers.
+func reports(a, b *Result) bool {
+	never := func(r *Result) bool { return r.Outcome == Limited && r.Never }
+	switch {
+	case never(a) || never(b):
+		return never(a) && !never(b)
+	case a.Outcome == Unavailable || b.Outcome == Unavailable:
+		return a.Outcome == Unavailable && b.Outcome != Unavailable
+	case a.Outcome == Limited:
+		return b.Outcome == Allowed || b.Outcome == Limited && outranks(a, b)
+	}
+	return false
 }
 
 // mergeRepeats folds the checks of one rule and one client that several requests of a DecideAll
@@ -513,9 +554,17 @@ func (l *Limiter) cancelled(rules []matched) Result {
 	return Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: rules[0].rule, Policy: rules[0].of.ID}
 }
 
+// Left counts a request whose client left before it was answered, as a front end tells: its
+// decision was made detached from the client (the seam, enforcer/seam.go), so the store neither
+// failed nor was skipped, and nobody reads the answer (sluice_decisions_cancelled_total).
+func (l *Limiter) Left() { l.metrics.cancelled.Inc() }
+
 // failureModes decides when the store cannot: fail-open rules let the request through, and any
-// enforced fail-closed rule refuses it with 503.
-func (l *Limiter) failureModes(rules []matched, err error) Result {
+// enforced fail-closed rule refuses it with 503. A cost that an enforced rule can never admit
+// (over its capacity or limit, as hits make it) is refused as never passing first: the store
+// would have refused it whatever its state, so no failure mode may admit it. Its decision has
+// no state to show (Decision.Limit 0: no RateLimit fields).
+func (l *Limiter) failureModes(checks []store.Check, rules []matched, err error) Result {
 	switch {
 	case errors.Is(err, store.ErrFault):
 		l.metrics.storeErrors.WithLabelValues(causeFault).Inc()
@@ -529,13 +578,22 @@ func (l *Limiter) failureModes(rules []matched, err error) Result {
 		l.metrics.storeErrors.WithLabelValues(causeUnavailable).Inc()
 	}
 	res := Result{Outcome: Allowed}
-	for _, m := range rules {
+	never := false
+	for i, m := range rules {
 		switch {
+		case m.rule.Enforce && (checks[i].Cost < 0 || checks[i].Cost > m.rule.Limit.Limit):
+			l.metrics.decision(m.of, m.rule.Name, resultLimited)
+			if !never {
+				never = true
+				res = Result{Outcome: Limited, Never: true, Rule: m.rule, Policy: m.of.ID}
+			}
 		case !m.rule.Enforce || m.rule.FailOpen:
 			l.metrics.decision(m.of, m.rule.Name, resultFailedOpen)
 		default:
 			l.metrics.decision(m.of, m.rule.Name, resultFailedClosed)
-			res = Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: m.rule, Policy: m.of.ID}
+			if !never {
+				res = Result{Outcome: Unavailable, RetryAfter: time.Second, Rule: m.rule, Policy: m.of.ID}
+			}
 		}
 	}
 	return res

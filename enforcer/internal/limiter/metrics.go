@@ -58,7 +58,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		cancelled: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "sluice_decisions_cancelled_total",
-			Help: "Decisions whose client left (its context cancelled) before the store answered: neither a store error nor a rule's decision, and never counted by the breaker.",
+			Help: "Requests whose client left before they were answered. A decision its caller cancelled before the store answered: neither a store error nor a rule's decision, never counted by the breaker. A request whose client left while the front end, which decides detached from the client, was deciding it (an h2c stream reset, a gRPC call Envoy gave up on) or held it in a leaky bucket's queue: decided and counted as usual, and counted here too.",
 		}),
 		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "sluice_store_breaker_open",

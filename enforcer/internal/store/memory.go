@@ -161,152 +161,216 @@ func (s *Memory) Decide(_ context.Context, checks []Check, out []algorithm.Decis
 	if len(checks) == 1 && checks[0].Idempotency == nil {
 		return s.decideOne(&checks[0], out)
 	}
-	var idxBuf, lockedBuf [commonChecks]int
-	idx, locked := idxBuf[:], lockedBuf[:]
-	if len(checks) > commonChecks {
-		idx, locked = make([]int, len(checks)), make([]int, len(checks))
+	d := decisions.Get().(*memoryDecision)
+	defer d.release()
+	d.init(s, checks, out)
+	d.lock()
+	defer d.unlock()
+	d.findRecords()
+	d.take()
+	if !d.commitOrRefuseRepeat() {
+		d.keepRefusal()
+		return false, nil
 	}
-	n := 0
-	for i := range checks {
-		idx[i] = s.shardOf(&checks[i])
+	d.charge()
+	return true, nil
+}
+
+// memoryDecision is one decision of several checks, or of checks with idempotency records, in
+// the steps decide.lua takes: lock the checks' shards, find their records, take every check,
+// then charge all of them or none.
+type memoryDecision struct {
+	s      *Memory
+	checks []Check
+	out    []algorithm.Decision
+	at     time.Time
+	now    float64 // at, in microseconds
+	// idx[i] is check i's shard, locked the shards to lock, in order, without repeats.
+	idx, locked []int
+	// states[i] is check i's state after its take.
+	states []algorithm.State
+	// recs are the records the checks name; recOf[i] is check i's (1-based; 0 for none).
+	recs  []memoryRecord
+	recOf []int
+	// free[i] is whether check i passes as a free repeat of an admitted request.
+	free []bool
+
+	// The slices start in these arrays, so that a decision of up to commonChecks rules, with
+	// its memoryDecision from the pool, allocates nothing.
+	idxBuf, lockedBuf, recOfBuf [commonChecks]int
+	freeBuf                     [commonChecks]bool
+	statesBuf                   [commonChecks]algorithm.State
+	recsBuf                     [2]memoryRecord
+}
+
+// decisions keeps memoryDecisions for reuse: one is too large for the stack's comfort, and its
+// slices point into its own arrays.
+var decisions = sync.Pool{New: func() any { return new(memoryDecision) }}
+
+func (d *memoryDecision) init(s *Memory, checks []Check, out []algorithm.Decision) {
+	d.s, d.checks, d.out = s, checks, out
+	d.at = s.now()
+	d.now = algorithm.Micros(d.at)
+	d.idx, d.locked, d.recOf, d.free = d.idxBuf[:], d.lockedBuf[:0], d.recOfBuf[:], d.freeBuf[:]
+	d.states, d.recs = d.statesBuf[:0], d.recsBuf[:0]
+	if n := len(checks); n > commonChecks {
+		d.idx, d.locked, d.recOf, d.free = make([]int, n), make([]int, 0, n), make([]int, n), make([]bool, n)
+		d.states = make([]algorithm.State, 0, n)
+	}
+}
+
+// release returns the decision to the pool, holding nothing of the request.
+func (d *memoryDecision) release() {
+	clear(d.states)
+	clear(d.recs)
+	d.s, d.checks, d.out, d.states, d.recs = nil, nil, nil, nil, nil
+	decisions.Put(d)
+}
+
+// lock takes the locks of the checks' shards in shard order, so that decisions that share
+// shards never deadlock.
+func (d *memoryDecision) lock() {
+	for i := range d.checks {
+		d.idx[i] = d.s.shardOf(&d.checks[i])
 		// Insertion into the sorted, duplicate-free list of shards to lock.
-		j := n
-		for j > 0 && locked[j-1] > idx[i] {
+		n, j := len(d.locked), len(d.locked)
+		for j > 0 && d.locked[j-1] > d.idx[i] {
 			j--
 		}
-		if j > 0 && locked[j-1] == idx[i] {
+		if j > 0 && d.locked[j-1] == d.idx[i] {
 			continue
 		}
-		copy(locked[j+1:n+1], locked[j:n])
-		locked[j] = idx[i]
-		n++
+		d.locked = append(d.locked, 0)
+		copy(d.locked[j+1:n+1], d.locked[j:n])
+		d.locked[j] = d.idx[i]
 	}
-	for _, sh := range locked[:n] {
-		s.shards[sh].mu.Lock()
+	for _, sh := range d.locked {
+		d.s.shards[sh].mu.Lock()
 	}
-	defer func() {
-		for _, sh := range locked[:n] {
-			s.shards[sh].mu.Unlock()
-		}
-	}()
+}
 
-	var buf [4]algorithm.State
-	states := buf[:0]
-	if len(checks) > len(buf) {
-		states = make([]algorithm.State, 0, len(checks))
+func (d *memoryDecision) unlock() {
+	for _, sh := range d.locked {
+		d.s.shards[sh].mu.Unlock()
 	}
-	now := algorithm.Micros(s.now())
-	// The idempotency records the checks name, as decide.lua keeps them: recOf[i] is check i's
-	// (1-based; 0 for none).
-	var recBuf [2]memoryRecord
-	recs := recBuf[:0]
-	var recOfBuf [commonChecks]int
-	recOf := recOfBuf[:]
-	if len(checks) > commonChecks {
-		recOf = make([]int, len(checks))
-	}
-	for i := range checks {
-		c := &checks[i]
-		recOf[i] = 0
+}
+
+// findRecords finds the idempotency record each check names, as decide.lua keeps them: checks
+// that name the same record share it, and a record past its time is gone.
+func (d *memoryDecision) findRecords() {
+	for i := range d.checks {
+		c := &d.checks[i]
+		d.recOf[i] = 0
 		if c.Idempotency == nil {
 			continue
 		}
 		k := memoryKey{c.Tag, c.Idempotency.Key}
-		for j := range recs {
-			if recs[j].key == k {
-				recOf[i] = j + 1
+		for j := range d.recs {
+			if d.recs[j].key == k {
+				d.recOf[i] = j + 1
 			}
 		}
-		if recOf[i] == 0 {
-			r := memoryRecord{sh: &s.shards[idx[i]], key: k, idem: c.Idempotency}
-			if r.rec = r.sh.records[k]; r.rec != nil && r.rec.expiresAt <= now {
+		if d.recOf[i] == 0 {
+			r := memoryRecord{sh: &d.s.shards[d.idx[i]], key: k, idem: c.Idempotency}
+			if r.rec = r.sh.records[k]; r.rec != nil && r.rec.expiresAt <= d.now {
 				r.sh.bytes -= r.rec.size(k)
 				delete(r.sh.records, k)
 				r.rec = nil
 			}
-			recs = append(recs, r)
-			recOf[i] = len(recs)
+			d.recs = append(d.recs, r)
+			d.recOf[i] = len(d.recs)
 		}
 	}
-	var freeBuf [commonChecks]bool
-	free := freeBuf[:]
-	if len(checks) > commonChecks {
-		free = make([]bool, len(checks))
-	}
-	for i := range checks {
-		c := &checks[i]
-		st := s.shards[idx[i]].state(c)
+}
+
+// take decides every check at its cost, or passes it uncharged as a free repeat.
+func (d *memoryDecision) take() {
+	for i := range d.checks {
+		c := &d.checks[i]
+		st := d.s.shards[d.idx[i]].state(c)
 		// A cost the rule can never admit is no repeat of an admitted request: it is refused as such.
-		if j := recOf[i]; j > 0 && recs[j-1].free() && c.Cost >= 0 && c.Cost <= c.Limit.Limit {
+		if j := d.recOf[i]; j > 0 && d.recs[j-1].free() && c.Cost >= 0 && c.Cost <= c.Limit.Limit {
 			// A free repeat of an admitted request, for this check's policy: it passes uncharged.
-			free[i] = true
-			_, out[i] = c.Limit.Take(st, now, 0)
-			out[i].Allowed, out[i].Wait = true, 0
-			states = append(states, st)
+			d.free[i] = true
+			_, d.out[i] = c.Limit.Take(st, d.at, 0)
+			d.out[i].Allowed, d.out[i].Wait = true, 0
+			d.states = append(d.states, st)
 			continue
 		}
-		free[i] = false
-		st, d := c.Limit.Take(st, now, c.Cost)
-		states, out[i] = append(states, st), d
+		d.free[i] = false
+		st, dec := c.Limit.Take(st, d.at, c.Cost)
+		d.states, d.out[i] = append(d.states, st), dec
 	}
-	commit := charged(checks, out)
-	for j := range recs {
-		if r := &recs[j]; commit && r.rec != nil && r.rec.seen < 0 {
-			// A repeat of a refused request before its Retry-After, which no limit refuses now:
-			// refused the same way, by the first enforced check of its record, until the
-			// record ends.
-			for i := range checks {
-				if c := &checks[i]; c.Enforce && recOf[i] == j+1 {
-					_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
-					out[i].Allowed, out[i].Wait = false, 0
-					out[i].RetryAfter = time.Duration(max(1, math.Ceil((r.rec.expiresAt-now)/1000))) * time.Millisecond
-					commit = false
-					break
-				}
+}
+
+// commitOrRefuseRepeat reports whether the decision is charged: every enforced check allowed,
+// and no check's record is that of a refused request whose Retry-After has not come. Such a
+// repeat, which no limit refuses now, is refused the same way, by the first enforced check of
+// its record, until the record ends.
+func (d *memoryDecision) commitOrRefuseRepeat() bool {
+	if !charged(d.checks, d.out) {
+		return false
+	}
+	for j := range d.recs {
+		r := &d.recs[j]
+		if r.rec == nil || r.rec.seen >= 0 {
+			continue
+		}
+		for i := range d.checks {
+			if c := &d.checks[i]; c.Enforce && d.recOf[i] == j+1 {
+				_, d.out[i] = c.Limit.Take(d.s.shards[d.idx[i]].state(c), d.at, 0)
+				d.out[i].Allowed, d.out[i].Wait = false, 0
+				d.out[i].RetryAfter = time.Duration(max(1, math.Ceil((r.rec.expiresAt-d.now)/1000))) * time.Millisecond
+				return false
 			}
 		}
 	}
-	if !commit {
-		// Nothing is charged, so the rules that would have allowed report their state as it
-		// stays: what a cost-0 check sees.
-		var retry time.Duration
-		never := false
-		for i := range checks {
-			if c := &checks[i]; out[i].Allowed && !free[i] && c.Cost > 0 {
-				_, out[i] = c.Limit.Take(s.shards[idx[i]].state(c), now, 0)
-				out[i].Allowed = true
-			} else if !out[i].Allowed && c.Enforce {
-				retry = max(retry, out[i].RetryAfter)
-				never = never || out[i].Never
-			}
-		}
-		for j := range recs {
-			// A request that can never pass leaves no record: its repeats are refused as it
-			// was, never with a Retry-After that the record's time would promise.
-			if r := &recs[j]; r.rec == nil && !never {
-				// The first refusal of this request: its repeats are refused until its
-				// Retry-After, in whole milliseconds as Redis keeps the record's TTL.
-				s.makeRecordRoom(r.sh, now, r.key)
-				ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
-				r.sh.records[r.key] = &idemRecord{seen: -1, expiresAt: now + ms*1000}
-			}
-		}
-		return false, nil
-	}
-	for i := range checks {
-		if !free[i] {
-			s.store(&s.shards[idx[i]], &checks[i], states[i], out[i], now)
+	return true
+}
+
+// keepRefusal ends a decision that charges nothing: the rules that would have allowed report
+// their state as it stays (what a cost-0 check sees), and the first refusal of a request with an
+// idempotency key is recorded, so that its repeats are refused until its Retry-After.
+func (d *memoryDecision) keepRefusal() {
+	var retry time.Duration
+	never := false
+	for i := range d.checks {
+		if c := &d.checks[i]; d.out[i].Allowed && !d.free[i] && c.Cost > 0 {
+			_, d.out[i] = c.Limit.Take(d.s.shards[d.idx[i]].state(c), d.at, 0)
+			d.out[i].Allowed = true
+		} else if !d.out[i].Allowed && c.Enforce {
+			retry = max(retry, d.out[i].RetryAfter)
+			never = never || d.out[i].Never
 		}
 	}
-	for j := range recs {
-		if r := &recs[j]; r.rec != nil {
+	for j := range d.recs {
+		// A request that can never pass leaves no record: its repeats are refused as it was,
+		// never with a Retry-After that the record's time would promise.
+		if r := &d.recs[j]; r.rec == nil && !never {
+			// Its repeats are refused until its Retry-After, in whole milliseconds as Redis
+			// keeps the record's TTL.
+			d.s.makeRecordRoom(r.sh, d.now, r.key)
+			ms := max(1, math.Ceil(float64(retry.Microseconds())/1000))
+			r.sh.records[r.key] = &idemRecord{seen: -1, expiresAt: d.now + ms*1000}
+		}
+	}
+}
+
+// charge stores every charged check's state and counts the request in its records.
+func (d *memoryDecision) charge() {
+	for i := range d.checks {
+		if !d.free[i] {
+			d.s.store(&d.s.shards[d.idx[i]], &d.checks[i], d.states[i], d.out[i], d.now)
+		}
+	}
+	for j := range d.recs {
+		if r := &d.recs[j]; r.rec != nil {
 			r.rec.seen++ // a repeat, free or charged
 		} else {
-			s.makeRecordRoom(r.sh, now, r.key)
-			r.sh.records[r.key] = &idemRecord{expiresAt: now + float64(r.idem.Window.Microseconds())}
+			d.s.makeRecordRoom(r.sh, d.now, r.key)
+			r.sh.records[r.key] = &idemRecord{expiresAt: d.now + float64(r.idem.Window.Microseconds())}
 		}
 	}
-	return true, nil
 }
 
 // memoryRecord is one idempotency record a decision names: where it lives, and what it holds
@@ -328,14 +392,15 @@ func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 	sh := &s.shards[s.shardOf(c)]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	now := algorithm.Micros(s.now())
+	at := s.now()
+	now := algorithm.Micros(at)
 	k := memoryKey{c.Tag, c.Rule}
 	e := sh.m[k] // one lookup serves both the read and the write
 	var st algorithm.State
 	if e != nil {
 		st = e.st
 	}
-	st, d := c.Limit.Take(st, now, c.Cost)
+	st, d := c.Limit.Take(st, at, c.Cost)
 	out[0] = d
 	if c.Enforce && !d.Allowed {
 		return false, nil

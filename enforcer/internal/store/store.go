@@ -7,8 +7,6 @@ package store
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"time"
@@ -28,7 +26,7 @@ type Check struct {
 	// Tag identifies the client within its policy (see Tag). The Redis key of a check is
 	// sl{Tag}Rule, so rules that share a client key share a Redis Cluster hash slot.
 	Tag string
-	// Rule names the rule's state (policy.RuleID).
+	// Rule names the rule's state (RuleID).
 	Rule string
 	// Idempotency, when set, is the record of this check's policy and client: a repeat of a
 	// request that record admitted passes this check without a charge. Checks that name the same
@@ -50,26 +48,6 @@ type Idempotency struct {
 	Window     time.Duration
 	MaxRepeats int64
 }
-
-// IdempotencyKey hashes a client's idempotency key and its identity (the client address the
-// limiter decided it is) into the 8 characters of its record's name: the first 48 bits of their
-// SHA-256, base64url. Raw keys never reach the store.
-func IdempotencyKey(key, identity string) string {
-	sum := sha256.Sum256([]byte(key + "\x00" + identity))
-	return base64.RawURLEncoding.EncodeToString(sum[:6])
-}
-
-// recordKey is the Redis key of the idempotency record of a check: under its tag.
-func (c *Check) recordKey() string {
-	return KeyPrefix + "{" + c.Tag + "}i" + c.Idempotency.Key
-}
-
-// KeyPrefix starts every Redis key of Sluice's.
-const KeyPrefix = "sl"
-
-// Key is the Redis key of the check: sl{<tag>}<rule>, 28 bytes. Redis keeps a key of up to 30
-// bytes in one 32-byte allocation: a shorter name would save nothing, a longer one 16 bytes.
-func (c *Check) Key() string { return KeyPrefix + "{" + c.Tag + "}" + c.Rule }
 
 // Store decides requests.
 type Store interface {

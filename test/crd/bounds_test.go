@@ -1,0 +1,46 @@
+package crd_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
+)
+
+// The bounds that moved from Go into the schema admit what is at them; one past each is refused
+// by the corpus of test/testdata/invalid (sliding-log-limit-above-10000, redis-address-port-*,
+// managed-redis-zero-memory).
+func TestSchemaBoundsWhenAtTheirEdgeThenAccepted(t *testing.T) {
+	ns := testenv.Namespace(t, k8s, "schema-bounds")
+	fixed := []v1alpha1.Rule{{Name: "a", FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1s"}}}
+	redis := func(addr v1alpha1.HostPort) *v1alpha1.Storage {
+		return &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Mode: v1alpha1.RedisStandalone, Addresses: []v1alpha1.HostPort{addr}}}
+	}
+	cases := []struct {
+		name    string
+		rules   []v1alpha1.Rule
+		storage *v1alpha1.Storage
+	}{
+		{"when a sliding log's limit is 10000", []v1alpha1.Rule{{Name: "a", SlidingLog: &v1alpha1.Window{Limit: 10_000, Window: "1h"}}}, nil},
+		{"when a Redis address's port is 65535", fixed, redis("redis.example:65535")},
+		{"when a Redis address's port is 1", fixed, redis("[fd00::1]:1")},
+		{"when a managed Redis has one byte of memory", fixed, &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{MaxMemory: ptr.To(resource.MustParse("1"))}}},
+	}
+	for i, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := &v1alpha1.RateLimitPolicy{
+				ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: fmt.Sprintf("edge-%d", i)},
+				Spec:       v1alpha1.RateLimitPolicySpec{TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080}, Rules: c.rules, Storage: c.storage},
+			}
+			if err := k8s.Create(context.Background(), p); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
