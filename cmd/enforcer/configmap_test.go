@@ -143,9 +143,7 @@ func TestEnforcerBinaryWhenItsConfigMapChangesThenItServesItAndFallsBackToTheFil
 	if err := os.WriteFile(file, []byte(limitPolicy(2)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	// Real time passes for five polls of the file: that a poll ignored the file shows nowhere,
-	// so there is no event to wait on.
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(500 * time.Millisecond) // real time passes for five file polls: a poll that ignores the file shows nowhere
 	serving(7, report.SourceAPI, time.Second)
 }
 

@@ -55,9 +55,8 @@ func TestGitOpsWhenAManifestIsAppliedAgainAndAgainThenEveryChangeLandsAndNothing
 				want = "serverside-applied"
 			}
 			g.apply(g.manifest("Open", "memory: {}"), want)
-			// Real time passes for a write that must not come: an unchanged apply brings no
-			// event to wait on, and the controller writes within a second of one it sees.
-			time.Sleep(time.Second)
+			time.Sleep(time.Second) // real time passes for a write that must not come: an unchanged apply makes no event
+
 			if after := g.versions(); fmt.Sprint(after) != fmt.Sprint(before) {
 				t.Errorf("re-applying the unchanged manifest moved resourceVersions or generation:\nbefore %v\nafter  %v", before, after)
 			}
