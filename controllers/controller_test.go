@@ -309,6 +309,41 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 	}
 }
 
+// Events on transitions only: a new policy that rolls out is told once, when it turns Ready. Its
+// first Accepted, Degraded and Ready are the start of every policy, not news; each would be one
+// more write to the API server per policy.
+func TestEventsWhenAPolicyRollsOutThenOnlyReadyIsTold(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "events")
+	targetService(t, ns, "api")
+	runEnforcers(t, ns)
+	p := newPolicy(ns, "rollout", "api")
+	p.Spec.Storage, p.Spec.Enforcer.Replicas = nil, ptr.To[int32](1)
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	var told []string
+	// The recorder writes in the order it was given events: once Ready's is there, so is any
+	// before it.
+	eventually(t, "the Ready event", func() (bool, string) {
+		var events eventsv1.EventList
+		if err := k8s.List(ctx, &events, client.InNamespace(ns)); err != nil {
+			return false, err.Error()
+		}
+		told = nil
+		for _, e := range events.Items {
+			if e.Regarding.Kind == "RateLimitPolicy" && e.Regarding.Name == p.Name {
+				told = append(told, e.Type+" "+e.Reason+" "+e.Action)
+			}
+		}
+		return slices.Contains(told, "Normal Available Ready"), fmt.Sprint(told)
+	})
+	if len(told) != 1 {
+		t.Errorf("events of a policy that rolled out: %v, want only Normal Available Ready", told)
+	}
+}
+
 // A second reconcile of an unchanged policy writes nothing: no request that changes anything is
 // sent, and no object's resourceVersion moves on the API server.
 func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
@@ -441,18 +476,20 @@ func TestReconcileWhenARuleChangesThenConfigAndRevisionFollowAndScalingRollsOut(
 	}
 }
 
-// A policy that passed the schema but cannot work (here a sliding log too large to keep) is not
-// accepted, with the reason, and nothing is deployed for it.
+// A policy that passed the schema but cannot work (here a leaky bucket whose maxWait is longer
+// than its queue takes to drain, which CEL cannot say) is not accepted, with the reason, and
+// nothing is deployed for it.
 func TestReconcileWhenSpecIsInvalidThenNotAcceptedAndStalled(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "ctrl")
 	p := newPolicy(ns, "invalid", "api")
-	p.Spec.Rules[0] = v1alpha1.Rule{Name: "huge", SlidingLog: &v1alpha1.Window{Limit: 50_000, Window: "1h"}}
+	p.Spec.Rules[0] = v1alpha1.Rule{Name: "queue", LeakyBucket: &v1alpha1.LeakyBucket{Capacity: 5,
+		Drain: v1alpha1.DrainRate{Requests: 10, Period: "1s"}, MaxWait: ptr.To[v1alpha1.Duration]("1s")}}
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 	waitCondition(t, p, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonInvalid)
-	if c := condition(t, p, v1alpha1.ConditionAccepted); c == nil || !strings.Contains(c.Message, "spec.rules[0].slidingLog.limit") {
+	if c := condition(t, p, v1alpha1.ConditionAccepted); c == nil || !strings.Contains(c.Message, "spec.rules[0].leakyBucket.maxWait") {
 		t.Errorf("Accepted message %q does not name the field", c.Message)
 	}
 	if s := kstatus(t, p); s != status.FailedStatus {

@@ -14,15 +14,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Defaults of the connection bounds (Config.MaxConns, MaxConnsPerClient, WriteTimeout,
-// IdleTimeout).
-const (
-	DefaultMaxConns          = 4_096
-	DefaultMaxConnsPerClient = 2_048
-	DefaultWriteTimeout      = 30 * time.Second
-	DefaultIdleTimeout       = 2 * time.Minute
-)
-
 // Bounds of the admin listener, which has a budget of its own: probes and scrapes are served
 // however many connections the traffic listeners hold.
 const (

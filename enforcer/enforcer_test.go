@@ -1,6 +1,7 @@
 package enforcer_test
 
 import (
+	"github.com/sluice-dev/sluice/internal/settings"
 	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
@@ -93,9 +94,9 @@ func start(t *testing.T, policy string, up *upstream, redisOpts *store.RedisOpti
 		t.Fatal(err)
 	}
 	cfg := enforcer.Config{
-		PolicyFile: file, ReloadInterval: 100 * time.Millisecond,
-		Listen: "127.0.0.1:0", CheckListen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
-		Redis: redisOpts, ShutdownTimeout: 5 * time.Second, Log: logr.Discard(),
+		PolicyFile: file, Listen: "127.0.0.1:0", CheckListen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
+		Redis: redisOpts, Log: logr.Discard(),
+		Enforcer: settings.Enforcer{ReloadInterval: 100 * time.Millisecond, ShutdownTimeout: 5 * time.Second},
 	}
 	if up != nil {
 		cfg.Upstream, _ = url.Parse(up.URL)
@@ -907,7 +908,7 @@ func TestEnforcerWhenStoppedAtOnceThenEveryServerStops(t *testing.T) {
 	for i := range 200 {
 		ctx, cancel := context.WithCancel(context.Background())
 		e, err := enforcer.Start(ctx, enforcer.Config{PolicyFile: file, Listen: "127.0.0.1:0", CheckListen: "127.0.0.1:0",
-			AdminListen: "127.0.0.1:0", ShutdownTimeout: time.Second, Log: logr.Discard()})
+			AdminListen: "127.0.0.1:0", Enforcer: settings.Enforcer{ShutdownTimeout: time.Second}, Log: logr.Discard()})
 		if err != nil {
 			cancel()
 			t.Fatal(err)

@@ -35,6 +35,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 // Generated hostile input against every front end, served in memory by the real servers. The
@@ -102,7 +103,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			panic("the first /admin request was refused")
 		}
 		u, _ := url.Parse(up.URL)
-		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second, Log: logr.Discard()},
+		e := &Enforcer{cfg: Config{Enforcer: settings.Enforcer{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second}, Log: logr.Discard()},
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
 		um := newUpstreamMetrics(prometheus.NewRegistry())
 		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
@@ -508,7 +509,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 }
 
 // fuzzUpstream are the default upstream options.
-var fuzzUpstream = upstreamOptions{connect: DefaultUpstreamConnectTimeout, responseHeader: DefaultUpstreamResponseHeaderTimeout, idle: DefaultUpstreamIdleTimeout}
+var fuzzUpstream = upstreamOptions{connect: settings.Defaults().UpstreamConnectTimeout, responseHeader: settings.Defaults().UpstreamResponseHeaderTimeout, idle: settings.Defaults().UpstreamIdleTimeout}
 
 // FuzzForwarded holds the Forwarded parser to RFC 7239 on generated values: it never panics;
 // what it accepts keeps its first element's host and proto when the proxy appends its own

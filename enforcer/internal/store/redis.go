@@ -18,6 +18,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 var (
@@ -29,10 +30,6 @@ var (
 	refundLua    string
 	refundScript = redis.NewScript(refundLua)
 )
-
-// DefaultTimeout bounds each Redis call when nothing else does: the enforcer's --redis-timeout
-// default, and storage.redis.timeout's (api/v1alpha1.DefaultRedisTimeout, held to it by a test).
-const DefaultTimeout = 50 * time.Millisecond
 
 // RedisOptions configure a Redis store.
 type RedisOptions struct {
@@ -48,7 +45,7 @@ type RedisOptions struct {
 	// without a restart.
 	Credentials func() (username, password string)
 	TLS         *tls.Config
-	// Timeout bounds each call. Default DefaultTimeout.
+	// Timeout bounds each call. Default settings.Defaults().RedisTimeout.
 	Timeout time.Duration
 	// PoolSize is the number of connections per node. Default go-redis's (10 per CPU).
 	PoolSize int
@@ -88,7 +85,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		return nil, errors.New("redis: no addresses")
 	}
 	if opts.Timeout <= 0 {
-		opts.Timeout = DefaultTimeout
+		opts.Timeout = settings.Defaults().RedisTimeout
 	}
 	uo := &redis.UniversalOptions{
 		Addrs:                 opts.Addrs,
