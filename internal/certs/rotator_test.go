@@ -207,7 +207,10 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 		if errM == nil && errV == nil && len(m.Webhooks[0].ClientConfig.CABundle) > 0 && len(v.Webhooks[0].ClientConfig.CABundle) > 0 {
 			return nil
 		}
-		return fmt.Errorf("the caBundle is not filled after the retry (%v, %v)", errM, errV)
+		if err := errors.Join(errM, errV); err != nil {
+			return err
+		}
+		return errors.New("the caBundle is not filled after the retry")
 	})
 }
 
