@@ -57,7 +57,7 @@ func TestEnforcerBinaryWhenAStreamPausesPastTheHeaderTimeoutThenItIsNotCut(t *te
 	up := serveH1(t, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "first\n")
 		_ = http.NewResponseController(w).Flush()
-		time.Sleep(600 * time.Millisecond) // twice the timeout: the pause under test
+		time.Sleep(600 * time.Millisecond) // real time passes for a real timeout: twice the header timeout
 		_, _ = io.WriteString(w, "second\n")
 	}))
 	e := startFronting(t, "http://"+up, "--upstream-response-header-timeout=300ms")
@@ -316,7 +316,7 @@ func websocketLate(pause time.Duration) http.Handler {
 		defer func() { _ = conn.Close() }()
 		_, _ = rw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
 		_ = rw.Flush()
-		time.Sleep(pause) // the silence under test
+		time.Sleep(pause) // real time passes for a real timeout: the silence under test
 		_, _ = rw.WriteString("late\n")
 		_ = rw.Flush()
 		line, _ := rw.ReadString('\n')

@@ -30,6 +30,8 @@ func TestDemoWhenRunTwiceThenEachRunReportsTheBurstAndStopsCleanlyOnCtrlC(t *tes
 		cmd.Dir = testenv.RepoRoot()
 		out, w := io.Pipe()
 		cmd.Stdout, cmd.Stderr = w, w
+		// The demo, and so what it started, dies with the test process, however it ends.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGINT}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}

@@ -41,7 +41,9 @@ func TestMain(m *testing.M) {
 	flag.Parse()
 	tier.RunFast(m)
 	var err error
-	env, err = testenv.Start()
+	// kube-controller-manager's ClusterRole aggregation fills the built-in roles for the RBAC
+	// test.
+	env, err = testenv.Start(testenv.WithControllers("clusterrole-aggregation-controller"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)

@@ -1,6 +1,7 @@
 package crd_test
 
 import (
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
@@ -28,12 +29,13 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 		// The API server publishes a new CRD's OpenAPI a moment after the CRD is established.
 		var out []byte
 		var err error
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		_ = poll.Until(30*time.Second, func() error {
 			out, err = exec.Command(env.Kubectl(), "--kubeconfig", kubeconfig, "explain", field).CombinedOutput()
-			if err == nil || !strings.Contains(string(out), "couldn't find resource") || time.Now().After(deadline) {
-				break
+			if err == nil || !strings.Contains(string(out), "couldn't find resource") {
+				return nil
 			}
-		}
+			return err
+		}) // on a timeout, the last answer fails the test below
 		if err != nil {
 			t.Fatalf("kubectl explain %s: %v\n%s", field, err, out)
 		}

@@ -30,6 +30,7 @@ import (
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -90,7 +91,7 @@ func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
 		start := time.Now()
 		populateWith(b, k8s, ns, n, bareWorkers)
 		created := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		b.ReportMetric(time.Since(start).Seconds(), "s-manager")
 		b.ReportMetric(created.Seconds(), "s-manager-all-created")
 		mgr.Stop()
@@ -242,9 +243,9 @@ func BenchmarkEnforcersStartCeiling(b *testing.B) {
 		start := time.Now()
 		programBare(b, k8s, ns, n, false)
 		written := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allPodsReady(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allPodsReady(k8s, ns, n) })
 		podsReady := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allAvailable(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allAvailable(k8s, ns, n) })
 		if dir := os.Getenv("SLUICE_BENCH_PROFILE"); dir != "" {
 			saveAPIServerMetrics(b, env.Config, filepath.Join(dir, "apiserver-metrics.txt"))
 		}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 // Two managers with leader election: while the leader leads, the other serves the webhook and
@@ -67,7 +68,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	}
 	leader, _ := start(backends[0])
 	lease := &coordinationv1.Lease{}
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
 			return err
 		}
@@ -123,7 +124,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	if err := k8s.Create(ctx, policy("before")); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		return k8s.Get(ctx, types.NamespacedName{Namespace: ns.Name, Name: "sluice-before"}, &appsv1.Deployment{})
 	})
 	const reconciles, reads = `controller_runtime_reconcile_total{controller="ratelimitpolicy"`, "sluice_manager_report_reads_total"
@@ -139,7 +140,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 			return nil
 		}
 	}
-	waitFor(t, 30*time.Second, admittedAtLeast(10))
+	poll.WaitFor(t, 30*time.Second, admittedAtLeast(10))
 
 	if err := leader.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
@@ -151,7 +152,7 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	}
 	// The lease can change hands only once it expires: within the lease duration of the last
 	// renewal, and the retry period after that.
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		if err := k8s.Get(ctx, types.NamespacedName{Namespace: local.Namespace, Name: "manager.ratelimit.sluice.dev"}, lease); err != nil {
 			return err
 		}
@@ -162,9 +163,9 @@ func TestManagersWhenTheLeaderIsKilledThenTheOtherReconcilesAndAdmissionNeverFai
 	})
 	acquired := time.Since(killed)
 	key := types.NamespacedName{Namespace: ns.Name, Name: "sluice-after"}
-	waitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
+	poll.WaitFor(t, 30*time.Second, func() error { return k8s.Get(ctx, key, &appsv1.Deployment{}) })
 	took := time.Since(killed)
-	waitFor(t, 30*time.Second, admittedAtLeast(admitted.Load()+10)) // admissions after the switch
+	poll.WaitFor(t, 30*time.Second, admittedAtLeast(admitted.Load()+10)) // admissions after the switch
 	close(stop)
 	wg.Wait()
 

@@ -29,6 +29,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 // After settling, 200 idle policies cause no writes, no applies and no reconciles: the manager
@@ -67,7 +68,7 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 
 	// Settled: every policy Programmed at its generation, the running ones Ready, and no policy
 	// written for three intervals.
-	waitFor(t, 10*time.Minute, func() error {
+	poll.WaitFor(t, 10*time.Minute, func() error {
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(ctx, &list); err != nil {
 			return err
@@ -333,7 +334,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		populateWith(b, k8s, ns, n, creators)
 		created := time.Since(start)
 		var programmed, ready time.Duration
-		for programmed == 0 || ready == 0 {
+		err = poll.Every(500*time.Millisecond, 30*time.Minute, func() error {
 			var list v1alpha1.RateLimitPolicyList
 			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
 				b.Fatal(err)
@@ -353,10 +354,13 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			if r == n && ready == 0 {
 				ready = time.Since(start)
 			}
-			if time.Since(start) > 30*time.Minute {
-				b.Fatalf("after 30 minutes: %d of %d Programmed, %d Ready", p, n, r)
+			if programmed == 0 || ready == 0 {
+				return fmt.Errorf("%d of %d Programmed, %d Ready", p, n, r)
 			}
-			time.Sleep(500 * time.Millisecond)
+			return nil
+		})
+		if err != nil {
+			b.Fatal(err)
 		}
 		// Each policy's own latency, from its creation to its condition (both in whole seconds):
 		// what a user who applies one policy among a thousand waits for.
@@ -463,7 +467,7 @@ func BenchmarkManagerMemory(b *testing.B) {
 		ns := makeNamespace(b, k8s, "memory-")
 		start := time.Now()
 		populate(b, k8s, ns, n)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		programmed := time.Since(start)
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")

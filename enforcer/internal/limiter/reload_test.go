@@ -13,6 +13,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -142,14 +143,11 @@ func reloadUnderTraffic(t *testing.T, s store.Store, old, next *policy.Policy) {
 	}
 	l.SetPolicies([]*policy.Policy{next})
 	close(reloaded)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+	_ = poll.Until(10*time.Second, poll.True("40 decisions under the new policies", func() bool {
 		mu.Lock()
-		n := underNext
-		mu.Unlock()
-		if n >= 40 || time.Now().After(deadline) {
-			break
-		}
-	}
+		defer mu.Unlock()
+		return underNext >= 40
+	})) // on a timeout the counts below fail the test
 	close(stop)
 	wg.Wait()
 	if unavailable > 0 {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/redis/go-redis/v9"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -99,7 +100,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 	f.Fuzz(func(t *testing.T, data []byte) {
 		tier.Needs(t, "redis-server")
 		in := &fuzzInput{b: data}
-		clock := &fakeClock{now: time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond)}
+		clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond))
 		mem := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
 		defer func() { _ = mem.Close() }()
 		opts := store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: 10 * time.Second}
@@ -161,7 +162,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 				maxPeriod = max(maxPeriod, checks[i].Limit.Period)
 			}
 			if !idem {
-				clock.Add(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
+				clock.Step(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
 			}
 			expire(t, rs.Client(), ends, clock.Now())
 			for i := range checks {

@@ -52,6 +52,9 @@ type RedisOptions struct {
 	// Pipelines is how many pipelines of concurrent decisions may be in flight at once, on
 	// Standalone and Sentinel (see batcher). Default 4; negative sends every decision on its own.
 	Pipelines int
+	// Now, for tests only, replaces Redis TIME as the scripts' time, so that a test can move
+	// time on instead of sleeping. Nil in production: every replica must read Redis's clock.
+	Now func() time.Time
 }
 
 // Redis is the store for many enforcer replicas. Each decision is one Lua script per hash tag:
@@ -127,6 +130,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		cluster: opts.Mode == v1alpha1.RedisCluster,
 		timeout: opts.Timeout,
 		idBase:  hex.EncodeToString(b[:]) + ".",
+		clock:   opts.Now,
 	}
 	if opts.Pipelines == 0 {
 		opts.Pipelines = 4

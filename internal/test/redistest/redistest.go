@@ -3,6 +3,7 @@
 package redistest
 
 import (
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
@@ -121,24 +122,30 @@ func (s *Server) Start() error {
 
 	c := redis.NewClient(&redis.Options{Addr: s.Addr(), TLSConfig: s.TLS, MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
 	defer func() { _ = c.Close() }()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
+	var exited error
+	err := poll.Until(10*time.Second, func() error {
 		select {
 		case <-s.done:
 			log, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
-			return fmt.Errorf("redis-server on port %d exited: %s", s.Port, lastLines(string(log), 5))
+			exited = fmt.Errorf("redis-server on port %d exited: %s", s.Port, lastLines(string(log), 5))
+			return nil // no use waiting on
 		default:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		err := c.Ping(ctx).Err()
-		cancel()
-		if err == nil || strings.HasPrefix(err.Error(), "NOAUTH") {
-			return nil
+		defer cancel()
+		if err := c.Ping(ctx).Err(); err != nil && !strings.HasPrefix(err.Error(), "NOAUTH") {
+			return err
 		}
-		time.Sleep(20 * time.Millisecond)
+		return nil
+	})
+	if exited != nil {
+		return exited
 	}
-	s.Kill()
-	return fmt.Errorf("redis-server on port %d did not answer PING within 10s", s.Port)
+	if err != nil {
+		s.Kill()
+		return fmt.Errorf("redis-server on port %d did not answer PING: %w", s.Port, err)
+	}
+	return nil
 }
 
 // Kill ends the process at once, as a crash would, and waits for it to exit.
@@ -269,18 +276,17 @@ func (c *Cluster) waitEach(timeout time.Duration, what string, read func(*redis.
 	deadline := time.Now().Add(timeout)
 	for _, n := range c.Nodes {
 		rc := redis.NewClient(&redis.Options{Addr: n.Addr()})
-		for {
+		err := poll.Until(time.Until(deadline), func() error {
 			info, err := read(rc)
-			if err == nil && done(info) {
-				break
+			if err == nil && !done(info) {
+				err = fmt.Errorf("%s", info)
 			}
-			if time.Now().After(deadline) {
-				_ = rc.Close()
-				return fmt.Errorf("cluster node %s: no %s after %v (%s): %w", n.Addr(), what, timeout, info, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return err
+		})
 		_ = rc.Close()
+		if err != nil {
+			return fmt.Errorf("cluster node %s: no %s: %w", n.Addr(), what, err)
+		}
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package redistest
 
 import (
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 
 	"context"
@@ -95,15 +96,14 @@ func NewReplica(t testing.TB, master *Server) *Server {
 	}
 	t.Cleanup(s.Stop)
 	c := s.Client(t)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	poll.WaitFor(t, 10*time.Second, func() error {
 		info, err := c.Info(context.Background(), "replication").Result()
-		if err == nil && strings.Contains(info, "master_link_status:up") {
-			return s
+		if err == nil && !strings.Contains(info, "master_link_status:up") {
+			err = fmt.Errorf("replica of %s not in sync: %s", master.Addr(), info)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica of %s not in sync after 10s: %v %s", master.Addr(), err, info)
-		}
-	}
+		return err
+	})
+	return s
 }
 
 // NewSentinel starts a Redis Sentinel that watches master as SentinelMaster, with a quorum of
