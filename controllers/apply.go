@@ -30,7 +30,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -244,7 +244,7 @@ func (r *RateLimitPolicyReconciler) applyOne(ctx context.Context, p *v1alpha1.Ra
 	if programmed && (!seen || last.request == request) {
 		drift = reason
 	}
-	log.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
+	logf.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
 	if drift != "" && r.Recorder != nil {
 		r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
 			"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
@@ -503,6 +503,6 @@ func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1
 	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}
-	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
+	logf.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
 	return nil
 }

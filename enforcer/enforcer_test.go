@@ -1,10 +1,6 @@
 package enforcer_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/settings"
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"bufio"
 	"context"
 	"encoding/json"
@@ -32,7 +28,10 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/settings"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // upstream is a real HTTP server that records what reaches it.
@@ -48,6 +47,7 @@ type upstream struct {
 }
 
 func newUpstream(t *testing.T) *upstream {
+	t.Helper()
 	u := &upstream{held: make(chan struct{})}
 	u.release = sync.OnceFunc(func() { close(u.held) })
 	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -180,6 +180,7 @@ var (
 )
 
 func standalone(t *testing.T) *store.RedisOptions {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	redisOnce.Do(func() {
 		var err error
@@ -206,6 +207,7 @@ func TestMain(m *testing.M) {
 
 // stores are the stores to run a test on: memory, and Redis but in the fast tier.
 func stores(t *testing.T) map[string]*store.RedisOptions {
+	t.Helper()
 	if tier.Fast() {
 		return map[string]*store.RedisOptions{"memory": nil}
 	}

@@ -1,12 +1,8 @@
 package webhook_test
 
 import (
-	"flag"
-
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -33,7 +29,9 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 	"github.com/sluice-dev/sluice/webhook"
 )
 

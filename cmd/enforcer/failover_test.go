@@ -183,6 +183,7 @@ func (e *enforcerProcess) switchover(t *testing.T, client string, fail func()) (
 // switch with fail-closed answers meanwhile, then exactness on a fresh client and what the
 // charged client lost.
 func checkFailover(t *testing.T, e *enforcerProcess, before, during, after string, fail func()) {
+	t.Helper()
 	if got := e.send(before, 60, 8); got[http.StatusOK] != 60 {
 		t.Fatalf("before the failure: %v, want 60 admitted", got)
 	}

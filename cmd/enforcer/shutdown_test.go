@@ -1,9 +1,6 @@
 package main
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"fmt"
 	"io"
@@ -19,7 +16,9 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (
@@ -79,6 +78,7 @@ func TestEnforcerBinaryWhenSIGTERMThenEveryAcceptedRequestIsAnsweredBeforeExit0(
 }
 
 func testShutdown(t *testing.T, storeFlags []string) {
+	t.Helper()
 	bin := binary(t)
 	var slowSeen sync.WaitGroup
 	slowSeen.Add(10)

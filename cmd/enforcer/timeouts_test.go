@@ -258,6 +258,7 @@ func TestEnforcerBinaryWhenTheUpstreamCannotBeConnectedInTimeThen504AndGRPCDeadl
 	connect := "--upstream-connect-timeout=" + timeout.String()
 	httpGet := func(via string) func(t *testing.T, e *binaryEnforcer) {
 		return func(t *testing.T, e *binaryEnforcer) {
+			t.Helper()
 			resp, err := local.ClientFor(via, 20*time.Second).Get("http://" + e.proxy + "/slow-to-connect")
 			if err != nil {
 				t.Fatal(err)
@@ -269,6 +270,7 @@ func TestEnforcerBinaryWhenTheUpstreamCannotBeConnectedInTimeThen504AndGRPCDeadl
 		}
 	}
 	grpcCall := func(t *testing.T, e *binaryEnforcer) {
+		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
 		_, err := grpcClient(t, e.proxy).UnaryCall(ctx, &testpb.SimpleRequest{})

@@ -1,8 +1,6 @@
 package certs_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -33,6 +31,7 @@ import (
 	"github.com/sluice-dev/sluice/internal/certs"
 	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 	"github.com/sluice-dev/sluice/webhook"
 )
 

@@ -1,9 +1,6 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // kubectl explain prints the CRD's field docs, the API's doc comments: they must say what the

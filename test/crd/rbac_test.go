@@ -1,9 +1,6 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"bytes"
 	"context"
 	"errors"
@@ -20,12 +17,14 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // Namespace users manage policies with the built-in roles a RoleBinding gives them: config/'s
@@ -86,7 +85,7 @@ func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t
 	as := func(user string) client.WithWatch {
 		cfg := rest.CopyConfig(env.Config)
 		cfg.Impersonate = rest.ImpersonationConfig{UserName: user}
-		c, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+		c, err := client.NewWithWatch(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 		if err != nil {
 			t.Fatal(err)
 		}

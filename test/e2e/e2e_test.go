@@ -21,7 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
@@ -316,6 +316,7 @@ type reply struct {
 
 // okUpstream serves "ok" to every request until the test ends.
 func okUpstream(t testing.TB) *httptest.Server {
+	t.Helper()
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
 	t.Cleanup(up.Close)
 	return up
@@ -327,7 +328,7 @@ func (c *cluster) unthrottled(t testing.TB) client.WithWatch {
 	t.Helper()
 	cfg := rest.CopyConfig(c.env.Config)
 	cfg.QPS, cfg.Burst = -1, 0
-	k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+	k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -366,6 +367,7 @@ func update(t *testing.T, k8s client.Client, key types.NamespacedName, change fu
 type processLog = local.Output
 
 func newProcessLog(t *testing.T) *processLog {
+	t.Helper()
 	l := &processLog{}
 	t.Cleanup(func() {
 		if t.Failed() {

@@ -47,6 +47,7 @@ func TestStatusWhenPoliciesIdleThenNothingIsWrittenOrApplied(t *testing.T) {
 // idlePolicies creates running policies whose enforcers run and pending ones whose pods wait for
 // a node, waits until they settle, then counts the manager's writes and applies for d: none.
 func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
+	t.Helper()
 	ctx := context.Background()
 	c := startCluster(t)
 	logs := newProcessLog(t)
@@ -125,7 +126,10 @@ func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
 }
 
 // populate creates n memory-storage policies, each in front of a Service of its own, 8 at a time.
-func populate(t testing.TB, k8s client.Client, ns string, n int) { populateWith(t, k8s, ns, n, 8) }
+func populate(t testing.TB, k8s client.Client, ns string, n int) {
+	t.Helper()
+	populateWith(t, k8s, ns, n, 8)
+}
 
 // benchPolicy is the i-th policy of the benchmarks, with the Service it fronts: memory storage,
 // one rule.
@@ -404,6 +408,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 // saveAPIServerMetrics writes the API server's own metrics to file: apiserver_request_total
 // counts every request of the run by resource, subresource and verb, whoever sent it.
 func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
+	t.Helper()
 	hc, err := rest.HTTPClientFor(cfg)
 	if err != nil {
 		t.Error(err)
@@ -426,6 +431,7 @@ func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
 
 // saveProfile writes what url serves to file.
 func saveProfile(t testing.TB, file, url string) {
+	t.Helper()
 	resp, err := http.Get(url)
 	if err != nil {
 		t.Error(err)

@@ -45,6 +45,7 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 
 	// namespace makes a namespace whose enforcer pods run, with the Service api to front.
 	namespace := func(t *testing.T, opts local.KubeletOptions) (string, *local.Kubelet) {
+		t.Helper()
 		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "status-"}}
 		if err := k8s.Create(ctx, ns); err != nil {
 			t.Fatal(err)

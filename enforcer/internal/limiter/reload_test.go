@@ -74,15 +74,18 @@ func testStores() map[string]func(t *testing.T) store.Store {
 	return map[string]func(t *testing.T) store.Store{
 		"memory": func(*testing.T) store.Store { return store.NewMemory(store.MemoryOptions{}) },
 		"redis standalone": func(t *testing.T) store.Store {
+			t.Helper()
 			return redisStore(t, standaloneOptions(redistest.NewServer(t).Addr()))
 		},
 		"redis cluster": func(t *testing.T) store.Store {
+			t.Helper()
 			return redisStore(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: redistest.NewCluster(t, 3).Addrs(), Timeout: 2 * time.Second})
 		},
 	}
 }
 
 func redisStore(t *testing.T, opts store.RedisOptions) store.Store {
+	t.Helper()
 	s, err := store.NewRedis(opts)
 	if err != nil {
 		t.Fatal(err)
@@ -92,6 +95,7 @@ func redisStore(t *testing.T, opts store.RedisOptions) store.Store {
 }
 
 func reloadUnderTraffic(t *testing.T, s store.Store, old, next *policy.Policy) {
+	t.Helper()
 	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, RefusalCache: true})
 	l.SetPolicies([]*policy.Policy{old})
 	req := &limiter.Request{Method: "GET", Path: "/", Peer: netip.MustParseAddr("192.0.2.1")}

@@ -210,11 +210,11 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 // keepKeys fails unless every key of the checks has a TTL or does not exist, then notes in ends
 // when the TTL ends by the test's clock, now, and extends it by a day (see the fuzz target). It
 // reports false when a key ended by Redis's clock before it could be extended: the two stores no
-// longer hold comparable states.
-func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, charged bool, ends map[string]time.Time, now time.Time) (comparable bool) {
+// longer hold same states.
+func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, charged bool, ends map[string]time.Time, now time.Time) (same bool) {
 	t.Helper()
 	ctx := context.Background()
-	comparable = true
+	same = true
 	for i := range checks {
 		k := checks[i].Key()
 		ttl, err := c.PTTL(ctx, k).Result()
@@ -225,7 +225,7 @@ func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, out [
 			// Written with a TTL of a millisecond of Redis's clock, which ended before the test
 			// could extend it: the stores now hold different states, through no fault of either.
 			t.Logf("key %s expired by Redis's clock before the test extended it: compared up to here", k)
-			comparable = false
+			same = false
 			continue
 		case ttl == -2*time.Nanosecond:
 			continue // no such key
@@ -240,7 +240,7 @@ func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, out [
 			t.Fatal(err)
 		}
 	}
-	return comparable
+	return same
 }
 
 // expire deletes the keys whose TTL, by the test's clock, ended at or before now.
@@ -261,9 +261,9 @@ func expire(t *testing.T, c redis.UniversalClient, ends map[string]time.Time, no
 // stands still in these sequences; see ending). It reports false for an input whose record may
 // have ended already: a refusal's record lives for its Retry-After, which may be a millisecond,
 // less than the time since the decision, decided.
-func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (comparable bool) {
+func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (same bool) {
 	t.Helper()
-	comparable = true
+	same = true
 	shortRefusal := false
 	for i := range out {
 		shortRefusal = shortRefusal || !out[i].Allowed && !out[i].Never && out[i].RetryAfter <= time.Since(decided)+10*time.Millisecond
@@ -280,7 +280,7 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 			t.Fatal(err)
 		case ttl == -2*time.Nanosecond && shortRefusal:
 			t.Logf("record %s may have ended by Redis's clock already: compared up to here", k)
-			comparable = false
+			same = false
 		case ttl == -2*time.Nanosecond:
 		case ttl < 0:
 			t.Fatalf("record %s of rule %d has no TTL: PTTL %v", k, i, ttl)
@@ -288,7 +288,7 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 			ends[k] = read.Add(ttl)
 		}
 	}
-	return comparable
+	return same
 }
 
 // ending names a record that ends by the wall clock within the next 100ms, or none: the memory

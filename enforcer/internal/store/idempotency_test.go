@@ -20,6 +20,7 @@ import (
 // idemCheck is a fixed-window check of limit per hour for client, carrying the idempotency key
 // key ("" for none).
 func idemCheck(t *testing.T, target, client string, limit int64, key string, free int64) store.Check {
+	t.Helper()
 	c := store.Check{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: limit, Period: time.Hour},
 		Cost: 1, Enforce: true, Rule: "r", Tag: uniqueTag(t, target, client)}
 	if key != "" {

@@ -1,13 +1,9 @@
 package store_test
 
 import (
-	"flag"
-
-	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -22,10 +18,12 @@ import (
 	"github.com/redis/go-redis/v9"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
 	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (
@@ -113,14 +111,17 @@ func targets() []target {
 func targetsAll() []target {
 	return []target{
 		{name: "memory", make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
 			s := store.NewMemory(store.MemoryOptions{Now: clock, SweepInterval: -1})
 			t.Cleanup(func() { _ = s.Close() })
 			return s
 		}},
 		{name: "standalone", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
 			return newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock)
 		}},
 		{name: "cluster", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
 			return newRedis(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: cluster.Addrs()}, clock)
 		}},
 	}
@@ -140,6 +141,7 @@ var runID = time.Now().UnixNano()
 
 // uniqueTag keeps the keys of every test and run apart.
 func uniqueTag(t *testing.T, parts ...any) string {
+	t.Helper()
 	return store.Tag(fmt.Sprintf("test/%s/%d", t.Name(), runID), fmt.Sprint(parts...))
 }
 

@@ -155,7 +155,6 @@ func (p *Process) Usage() (cpu time.Duration, peakRSS float64) {
 	return cpu, peakRSS
 }
 
-// Signal sends sig to the process.
 // RSS is the process's resident memory now, in bytes, from /proc (Linux).
 func (p *Process) RSS() float64 {
 	status, err := os.ReadFile("/proc/" + strconv.Itoa(p.cmd.Process.Pid) + "/status")
@@ -171,6 +170,7 @@ func (p *Process) RSS() float64 {
 	return 0
 }
 
+// Signal sends sig to the process.
 func (p *Process) Signal(sig os.Signal) error { return p.cmd.Process.Signal(sig) }
 
 // Wait waits for the process to end and returns how it ended: nil for exit status 0.

@@ -3,9 +3,6 @@
 package redistest
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"crypto/tls"
 	"errors"
@@ -22,6 +19,9 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // Server is one redis-server process.
@@ -42,6 +42,7 @@ func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.It
 
 // NewServer starts a standalone Redis that is stopped when the test ends.
 func NewServer(t testing.TB) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := StartServer()
@@ -56,6 +57,7 @@ func NewServer(t testing.TB) *Server {
 // reads a config file named before its flags, then args; it is stopped when the test ends. A
 // server that asks for a password counts as started once it answers NOAUTH.
 func NewServerWithConfig(t testing.TB, configFile string, args ...string) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
@@ -173,6 +175,7 @@ func (s *Server) Stop() {
 
 // Client returns a client of this server, closed when the test ends.
 func (s *Server) Client(t testing.TB) *redis.Client {
+	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: s.Addr(), TLSConfig: s.TLS})
 	t.Cleanup(func() { _ = c.Close() })
 	return c
@@ -194,6 +197,7 @@ func (c *Cluster) Addrs() []string {
 
 // NewCluster starts a cluster of n masters that is stopped when the test ends.
 func NewCluster(t testing.TB, n int) *Cluster {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	c, err := StartCluster(n)
@@ -208,6 +212,7 @@ func NewCluster(t testing.TB, n int) *Cluster {
 // over to its replica about two seconds after the master stops answering. It is stopped when the
 // test ends.
 func NewClusterWithReplicas(t testing.TB, n int) *Cluster {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	c, err := startCluster(n, 1, time.Second)
@@ -300,6 +305,7 @@ func (c *Cluster) Stop() {
 
 // Client returns a cluster client, closed when the test ends.
 func (c *Cluster) Client(t testing.TB) *redis.ClusterClient {
+	t.Helper()
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
 	t.Cleanup(func() { _ = cc.Close() })
 	return cc

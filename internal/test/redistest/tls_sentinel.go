@@ -1,9 +1,6 @@
 package redistest
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/poll"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -21,11 +18,15 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // NewTLSServer starts a standalone Redis that accepts only TLS, with a self-signed certificate
 // for 127.0.0.1 and the name "redis.test"; it is stopped when the test ends.
 func NewTLSServer(t testing.TB) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
@@ -88,6 +89,7 @@ const SentinelMaster = "sluice-master"
 // NewReplica starts a replica of master and waits until it has synchronised; it is stopped when
 // the test ends.
 func NewReplica(t testing.TB, master *Server) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, standalone([]string{"--replicaof", "127.0.0.1", strconv.Itoa(master.Port)}))
@@ -110,6 +112,7 @@ func NewReplica(t testing.TB, master *Server) *Server {
 // one, and waits until it knows the master's address; it is stopped when the test ends. It holds
 // a master that does not answer for a second to be down, and then fails over to a replica.
 func NewSentinel(t testing.TB, master *Server) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {

@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
@@ -130,10 +130,10 @@ func Start(opts ...Option) (*Env, error) {
 			return nil, err
 		}
 	}
-	if err := v1alpha1.AddToScheme(scheme.Scheme); err != nil {
+	if err := v1alpha1.AddToScheme(clientgoscheme.Scheme); err != nil {
 		return nil, fmt.Errorf("register the API: %w", err)
 	}
-	e.Client, err = client.New(cfg, client.Options{Scheme: scheme.Scheme})
+	e.Client, err = client.New(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 	if err != nil {
 		_ = e.Stop()
 		return nil, fmt.Errorf("create a client: %w", err)
