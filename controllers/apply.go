@@ -30,7 +30,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -50,20 +50,7 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 	// programmed: after a change of the spec, new and changed objects are simply the change.
 	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
 		p.Status.ObservedGeneration == p.Generation
-	// Two waves, the objects of each applied at once: first what the enforcer pods need to start
-	// (their ConfigMap, ServiceAccount and its Role, the managed Redis), then the Deployment that
-	// makes them, its Service and its budget. A policy costs two round trips, not nine.
-	var first, second []client.Object
-	for _, obj := range objs.All() {
-		// The bypass protection comes last: it admits the enforcer pods that the Deployment makes.
-		if obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) || objs.PDB != nil && obj == client.Object(objs.PDB) ||
-			objs.Bypass != nil && obj == client.Object(objs.Bypass) {
-			second = append(second, obj)
-		} else {
-			first = append(first, obj)
-		}
-	}
-	for _, wave := range [][]client.Object{first, second} {
+	for _, wave := range waves(objs) {
 		errs := make([]error, len(wave))
 		var wg sync.WaitGroup
 		for i, obj := range wave {
@@ -74,31 +61,56 @@ func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateL
 			return err
 		}
 	}
-	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
-	var unwanted []client.Object
-	if objs.PDB == nil {
-		unwanted = append(unwanted, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
-	}
-	if objs.NetworkPolicy == nil {
-		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
-		if objs.RedisDeployment != nil {
-			unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}})
-		}
-	}
-	if objs.Bypass == nil {
-		unwanted = append(unwanted, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.BypassName(name)}})
-	}
-	if objs.RedisDeployment == nil {
-		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
-		unwanted = append(unwanted, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis},
-			&policyv1.PodDisruptionBudget{ObjectMeta: redis}, &corev1.Secret{ObjectMeta: redis}, &networkingv1.NetworkPolicy{ObjectMeta: redis})
-	}
-	for _, obj := range unwanted {
+	for _, obj := range unwanted(objs) {
 		if err := r.deleteOwned(ctx, p, obj); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// waves are the objects in the order they are applied, those of a wave at once: first what the
+// enforcer pods need to start (their ConfigMap, ServiceAccount and its Role, the managed Redis),
+// then the Deployment that makes them, its Service and its budget, and the bypass protection,
+// which admits the pods the Deployment makes. A policy costs two round trips, not nine.
+func waves(objs *render.Objects) [2][]client.Object {
+	var w [2][]client.Object
+	for _, obj := range objs.All() {
+		second := obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) ||
+			objs.PDB != nil && obj == client.Object(objs.PDB) || objs.Bypass != nil && obj == client.Object(objs.Bypass)
+		if second {
+			w[1] = append(w[1], obj)
+		} else {
+			w[0] = append(w[0], obj)
+		}
+	}
+	return w
+}
+
+// unwanted are the objects the policy no longer renders, by name: its budget once it runs one
+// replica, its NetworkPolicies once they are turned off, its managed Redis once it has another
+// store. They are deleted if the policy owns them.
+func unwanted(objs *render.Objects) []client.Object {
+	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
+	var out []client.Object
+	if objs.PDB == nil {
+		out = append(out, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+	}
+	if objs.NetworkPolicy == nil {
+		out = append(out, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+		if objs.RedisDeployment != nil {
+			out = append(out, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}})
+		}
+	}
+	if objs.Bypass == nil {
+		out = append(out, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.BypassName(name)}})
+	}
+	if objs.RedisDeployment == nil {
+		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
+		out = append(out, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis},
+			&policyv1.PodDisruptionBudget{ObjectMeta: redis}, &corev1.Secret{ObjectMeta: redis}, &networkingv1.NetworkPolicy{ObjectMeta: redis})
+	}
+	return out
 }
 
 // programmed is what applying a policy's objects established: enough for status, and the
@@ -211,61 +223,70 @@ func newObject(kind string) client.Object {
 
 // applyOne applies obj when applying would change it (see apply).
 func (r *RateLimitPolicyReconciler) applyOne(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object, programmed bool) error {
-	policyKey := client.ObjectKeyFromObject(p)
 	desired, request, err := applyRequest(obj)
 	if err != nil {
 		return err
 	}
 	key := objectKey{kind: desired.GetKind(), name: desired.GetName()}
-	last, seen := r.mem.applied.get(policyKey, key)
+	last, seen := r.mem.applied.get(client.ObjectKeyFromObject(p), key)
 	live := obj.DeepCopyObject().(client.Object)
-	var reason string
-	switch err := r.Get(ctx, client.ObjectKeyFromObject(obj), live); {
-	case apierrors.IsNotFound(err):
-		reason = "the object was deleted"
-		if !programmed {
-			reason = "the object does not exist"
-		}
-	case err != nil:
+	reason, err := r.why(ctx, p, desired, live, request, last, seen, programmed)
+	if err != nil || reason == "" {
 		return err
-	default:
-		if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
-			if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
-				// A policy deleted and created again: garbage collection is about to remove
-				// the old one's objects, and their deletion brings us back here.
-				return fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
-			}
-			return &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
-		}
-		if seen && last.request == request && last.resourceVersion == live.GetResourceVersion() {
-			return nil // nothing changed on either side since the last look
-		}
-		if seen && last.request != request {
-			reason = "the rendered request changed"
-		} else if reason, err = applyReason(desired, live); err != nil {
-			return err
-		}
-		if reason == "" {
-			r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: live.GetResourceVersion()})
-			return nil
-		}
 	}
 	if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
 		return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
 	}
 	appliesTotal.WithLabelValues(desired.GetKind()).Inc()
 	// The answer is the object as applied; its resourceVersion is the one the cache will show.
-	r.mem.applied.set(policyKey, key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
+	r.mem.applied.set(client.ObjectKeyFromObject(p), key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
 	drift := ""
 	if programmed && (!seen || last.request == request) {
 		drift = reason
 	}
-	log.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
+	logf.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
 	if drift != "" && r.Recorder != nil {
 		r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
 			"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
 	}
 	return nil
+}
+
+// why reads the live object into live and says why desired must be applied: it does not exist,
+// the rendered request changed, or the live object does not hold what applying it leaves (the
+// fields sluice owns and their values); "" when nothing would change. An object that belongs to
+// someone else is in the way.
+func (r *RateLimitPolicyReconciler) why(ctx context.Context, p *v1alpha1.RateLimitPolicy, desired *unstructured.Unstructured, live client.Object,
+	request [sha256.Size]byte, last applied, seen, programmed bool) (string, error) {
+	switch err := r.Get(ctx, client.ObjectKeyFromObject(desired), live); {
+	case apierrors.IsNotFound(err):
+		if !programmed {
+			return "the object does not exist", nil
+		}
+		return "the object was deleted", nil
+	case err != nil:
+		return "", err
+	}
+	if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
+		if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
+			// A policy deleted and created again: garbage collection is about to remove the old
+			// one's objects, and their deletion brings us back here.
+			return "", fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
+		}
+		return "", &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
+	}
+	if seen && last.request == request && last.resourceVersion == live.GetResourceVersion() {
+		return "", nil // nothing changed on either side since the last look
+	}
+	if seen && last.request != request {
+		return "the rendered request changed", nil
+	}
+	reason, err := applyReason(desired, live)
+	if err == nil && reason == "" {
+		r.mem.applied.set(client.ObjectKeyFromObject(p), objectKey{kind: desired.GetKind(), name: desired.GetName()},
+			applied{request: request, resourceVersion: live.GetResourceVersion()})
+	}
+	return reason, err
 }
 
 // applyRequest is the apply request of a rendered object, as unstructured, and its digest.
@@ -482,6 +503,6 @@ func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1
 	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}
-	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
+	logf.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
 	return nil
 }

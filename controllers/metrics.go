@@ -55,6 +55,10 @@ var (
 		Name: "sluice_manager_report_failures_total",
 		Help: "Enforcer reports the manager could not read, by reason (timeout, unreachable, http_status, invalid).",
 	}, []string{"reason"})
+	reportReads = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "sluice_manager_report_reads_total",
+		Help: "Enforcer reports the manager asked for: each enforcer pod's every report interval, and in reconciles that find no read of a moment ago.",
+	})
 	appliesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sluice_manager_applies_total",
 		Help: "Server-side apply requests the manager sent for enforcer objects, by kind.",
@@ -74,7 +78,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(reconcileErrors, reportFailures, appliesTotal, replicasDesired, replicasServing, policyCondition)
+	metrics.Registry.MustRegister(reconcileErrors, reportFailures, reportReads, appliesTotal, replicasDesired, replicasServing, policyCondition)
 	// Every reason at zero from the start: an alert on increase() sees the first failure.
 	for _, r := range []string{errRead, errRender, errApply, errRejected, errInTheWay, errStatus} {
 		reconcileErrors.WithLabelValues(r)
@@ -82,12 +86,6 @@ func init() {
 	for _, r := range []string{reportTimeoutReason, reportUnreachable, reportStatus, reportInvalid} {
 		reportFailures.WithLabelValues(r)
 	}
-}
-
-// failed counts a failed reconcile under reason and returns err.
-func failed(reason string, err error) error {
-	reconcileErrors.WithLabelValues(reason).Inc()
-	return err
 }
 
 // reportError is a report that was read but could not be used.

@@ -74,8 +74,9 @@ type RateLimitPolicyReconciler struct {
 	// FetchReport reads an enforcer pod's report. Default FetchReport over HTTP with a 2s
 	// timeout.
 	FetchReport ReportFetcher
-	// ReportInterval is how often each policy's enforcer reports are read, and the least time
-	// between two status writes that only update counts or messages. Default 10s.
+	// ReportInterval is how often each policy's enforcer reports are read (see reportTicker),
+	// and the least time between two status writes that only update counts or messages.
+	// Default 10s.
 	ReportInterval time.Duration
 
 	// mem is what the reconciler remembers between reconciles; SetupWithManager makes it.
@@ -85,6 +86,7 @@ type RateLimitPolicyReconciler struct {
 // memory is the reconciler's state across reconciles, lost on restart.
 type memory struct {
 	history history
+	reports reportsSeen
 	applied appliedCache
 	// programmed is what each policy's last full apply established.
 	programmed sync.Map // types.NamespacedName -> *programmed
@@ -104,82 +106,154 @@ type memory struct {
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
-// Reconcile applies the policy's enforcer objects and reports what it observed in status.
+// Reconcile applies the policy's enforcer objects and reports what it observed in status: get,
+// one deferred status write, validate, render and apply, observe. Each step says why it failed
+// (a failure); finish counts and classifies it once.
 func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (res ctrl.Result, retErr error) {
 	p := &v1alpha1.RateLimitPolicy{}
 	if err := r.Get(ctx, req.NamespacedName, p); err != nil {
 		if apierrors.IsNotFound(err) {
-			r.mem.history.forget(req.NamespacedName)
-			r.mem.applied.forget(req.NamespacedName)
-			r.mem.programmed.Delete(req.NamespacedName)
-			r.mem.written.Delete(req.NamespacedName)
-			forgetStatus(req.NamespacedName)
+			r.forget(req.NamespacedName)
 			return ctrl.Result{}, nil
 		}
-		return ctrl.Result{}, failed(errRead, err)
+		return ctrl.Result{}, countFailure(&failure{errRead, err})
 	}
 	before := p.DeepCopy()
 	var obs observation
-	defer func() {
-		wait, err := r.writeStatus(ctx, before, p, obs, retErr == nil)
-		if err != nil {
-			retErr = errors.Join(retErr, failed(errStatus, err))
-		}
-		if wait > 0 && (res.RequeueAfter == 0 || wait < res.RequeueAfter) {
-			res.RequeueAfter = wait
-		}
-	}()
+	defer func() { res, retErr = r.finish(ctx, before, p, &obs, res, retErr) }()
 
-	// The same validation as the webhook: a policy that bypassed admission is still judged.
-	if errs := policy.Validate(p); len(errs) > 0 {
-		obs.invalid = errs.ToAggregate().Error()
-		return ctrl.Result{}, nil // nothing to retry until the spec changes
+	target, ok, err := r.validate(ctx, p, &obs)
+	if !ok || err != nil {
+		return ctrl.Result{}, err // an invalid or conflicting policy waits for a change of its spec
 	}
-	other, err := r.olderPolicyOnTarget(ctx, p)
+	prog, err := r.program(ctx, p, target)
 	if err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
-	if other != "" {
-		obs.conflictsWith = other
-		return ctrl.Result{}, nil
-	}
-
-	target := &corev1.Service{}
-	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
-	obs.targetMissing = apierrors.IsNotFound(err)
-	if err := client.IgnoreNotFound(err); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
-	}
-	if obs.targetMissing {
-		target = nil
-	}
-	rendered := withServiceProtocol(p, target)
-
-	// A reconcile that finds the objects as they were left (a report-only tick) neither renders
-	// nor compares them again.
-	prog := r.current(ctx, rendered, target)
-	if prog == nil {
-		objs, err := render.Enforcer(rendered, r.Defaults)
-		if err != nil {
-			return ctrl.Result{}, failed(errRender, err)
-		}
-		if err := r.redisPassword(ctx, p, objs); err != nil {
-			return applyFailed(err, &obs)
-		}
-		if objs.Bypass, err = render.Bypass(p, target); err != nil {
-			// Only a change of the Service or of the spec can fix it, and both are watched.
-			obs.applyErr, obs.stalled = err, true
-			_ = failed(errRender, err)
-			return ctrl.Result{}, nil
-		}
-		if err := r.apply(ctx, p, objs); err != nil {
-			return applyFailed(err, &obs)
-		}
-		prog = r.remember(rendered, objs, target)
+		return ctrl.Result{}, err
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
+	return r.observe(ctx, p, prog, &obs)
+}
 
+// forget drops what the manager remembers of a deleted policy.
+func (r *RateLimitPolicyReconciler) forget(key types.NamespacedName) {
+	r.mem.history.forget(key)
+	r.mem.reports.forget(key)
+	r.mem.applied.forget(key)
+	r.mem.programmed.Delete(key)
+	r.mem.written.Delete(key)
+	forgetStatus(key)
+}
+
+// failure is why a step of a reconcile failed: the reason label of
+// sluice_manager_reconcile_errors_total, and the error.
+type failure struct {
+	reason string
+	err    error
+}
+
+func (f *failure) Error() string { return f.err.Error() }
+func (f *failure) Unwrap() error { return f.err }
+
+// countFailure counts a failure under its reason and returns it.
+func countFailure(f *failure) error {
+	reconcileErrors.WithLabelValues(f.reason).Inc()
+	return f
+}
+
+// finish classifies the reconcile's failure, if any, once: it is counted under its reason; an
+// object in the way stalls the policy and is looked at again now and then (no event of ours
+// announces its removal); an object the API server refuses as invalid, or a bypass protection
+// that cannot be rendered, stalls it until the spec or the manager changes, without retries.
+// Then it writes the status, and requeues for the next write it holds back.
+func (r *RateLimitPolicyReconciler) finish(ctx context.Context, before, p *v1alpha1.RateLimitPolicy, obs *observation, res ctrl.Result, err error) (ctrl.Result, error) {
+	var f *failure
+	if errors.As(err, &f) {
+		var inTheWay *notOwnedError
+		var bypass *bypassError
+		switch {
+		case f.reason == errApply && errors.As(f.err, &inTheWay):
+			f.reason, obs.applyErr, obs.stalled = errInTheWay, f.err, true
+			res, err = ctrl.Result{RequeueAfter: stalledRecheck}, nil
+		case f.reason == errApply && (apierrors.IsInvalid(f.err) || apierrors.IsBadRequest(f.err)):
+			f.reason, obs.applyErr, obs.stalled = errRejected, f.err, true
+			err = reconcile.TerminalError(f)
+		case f.reason == errApply:
+			obs.applyErr = f.err
+		case errors.As(f.err, &bypass):
+			obs.applyErr, obs.stalled = f.err, true
+			err = nil // only a change of the Service or of the spec can fix it, and both are watched
+		}
+		reconcileErrors.WithLabelValues(f.reason).Inc()
+	}
+	wait, serr := r.writeStatus(ctx, before, p, *obs, err == nil)
+	if serr != nil {
+		err = errors.Join(err, countFailure(&failure{errStatus, serr}))
+	}
+	if wait > 0 && (res.RequeueAfter == 0 || wait < res.RequeueAfter) {
+		res.RequeueAfter = wait
+	}
+	return res, err
+}
+
+// validate judges the policy as the webhook does (a policy that bypassed admission is still
+// judged), finds no older policy on its target, and reads the target Service (nil when missing).
+// It reports whether the policy may be programmed.
+func (r *RateLimitPolicyReconciler) validate(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) (*corev1.Service, bool, error) {
+	if errs := policy.Validate(p); len(errs) > 0 {
+		obs.invalid = errs.ToAggregate().Error()
+		return nil, false, nil
+	}
+	other, err := r.olderPolicyOnTarget(ctx, p)
+	if err != nil {
+		return nil, false, &failure{errRead, err}
+	}
+	if other != "" {
+		obs.conflictsWith = other
+		return nil, false, nil
+	}
+	target := &corev1.Service{}
+	err = r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: p.Spec.TargetRef.Name}, target)
+	if obs.targetMissing = apierrors.IsNotFound(err); obs.targetMissing {
+		return nil, true, nil
+	}
+	if err != nil {
+		return nil, false, &failure{errRead, err}
+	}
+	return target, true, nil
+}
+
+// program renders the policy's objects and applies them, unless the objects are as the last
+// apply left them (a report-only tick neither renders nor compares them again).
+func (r *RateLimitPolicyReconciler) program(ctx context.Context, p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*programmed, error) {
+	rendered := withServiceProtocol(p, target)
+	if prog := r.current(ctx, rendered, target); prog != nil {
+		return prog, nil
+	}
+	objs, err := render.Enforcer(rendered, r.Defaults)
+	if err != nil {
+		return nil, &failure{errRender, err}
+	}
+	if err := r.redisPassword(ctx, p, objs); err != nil {
+		return nil, &failure{errApply, err}
+	}
+	if objs.Bypass, err = render.Bypass(p, target); err != nil {
+		return nil, &failure{errRender, &bypassError{err}}
+	}
+	if err := r.apply(ctx, p, objs); err != nil {
+		return nil, &failure{errApply, err}
+	}
+	return r.remember(rendered, objs, target), nil
+}
+
+// bypassError is a bypass protection that cannot be rendered for the target Service.
+type bypassError struct{ error }
+
+func (e *bypassError) Unwrap() error { return e.error }
+
+// observe reads what the data plane says: the Deployment, the replicas' reports and, when no
+// replica reports, the manager's own probe of Redis.
+func (r *RateLimitPolicyReconciler) observe(ctx context.Context, p *v1alpha1.RateLimitPolicy, prog *programmed, obs *observation) (ctrl.Result, error) {
 	// The Deployment, the target and the pods are only read, never changed, so they are the
 	// cache's own objects rather than deep copies: this runs for every policy on every report tick.
 	dep := &appsv1.Deployment{}
@@ -187,41 +261,22 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 		if apierrors.IsNotFound(err) {
 			return ctrl.Result{}, nil
 		}
-		return ctrl.Result{}, failed(errRead, err)
+		return ctrl.Result{}, &failure{errRead, err}
 	}
 	obs.deployment = dep
-	if err := r.readReports(ctx, p, &obs); err != nil {
-		return ctrl.Result{}, failed(errRead, err)
+	if err := r.readReports(ctx, p, obs); err != nil {
+		return ctrl.Result{}, &failure{errRead, err}
 	}
 	// The manager's own probe of Redis speaks only when no replica does.
-	reported := slices.ContainsFunc(obs.pods, func(r replica) bool { return r.report != nil })
-	if !reported {
+	if !slices.ContainsFunc(obs.pods, func(r replica) bool { return r.report != nil }) {
 		var probed bool
 		if obs.redisUnreachable, probed = r.probeRedis(ctx, p); probed {
 			return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval()), Priority: ptr.To(handler.LowPriority)}, nil
 		}
 	}
-	// Replicas report what no event announces: read them again on a clock, after the policies
-	// that an event brought, such as new ones waiting to be programmed.
-	return ctrl.Result{RequeueAfter: r.reportInterval(), Priority: ptr.To(handler.LowPriority)}, nil
-}
-
-// applyFailed records why applying failed and how to go on.
-func applyFailed(err error, obs *observation) (ctrl.Result, error) {
-	obs.applyErr = err
-	var inTheWay *notOwnedError
-	switch {
-	case errors.As(err, &inTheWay):
-		// Final until someone removes the object, which no event of ours announces: look
-		// again now and then, without the error backoff.
-		obs.stalled = true
-		_ = failed(errInTheWay, err)
-		return ctrl.Result{RequeueAfter: stalledRecheck}, nil
-	case apierrors.IsInvalid(err) || apierrors.IsBadRequest(err):
-		obs.stalled = true // only a change of the spec, or of the manager, can fix it
-		return ctrl.Result{}, failed(errRejected, reconcile.TerminalError(err))
-	}
-	return ctrl.Result{}, failed(errApply, err)
+	// Replicas report what no event announces: the report ticker reads them on a clock and
+	// brings the policy back when what they say changed.
+	return ctrl.Result{}, nil
 }
 
 func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
@@ -235,15 +290,52 @@ func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
 const reportTimeout = 2 * time.Second
 
 // readReports finds the policy's enforcer pods through the API server, reads the report of each
-// that runs, at once, and records their counters.
+// that runs, at once (or takes the one the report ticker read a moment ago), and records their
+// counters.
 func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1.RateLimitPolicy, obs *observation) error {
-	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}, client.UnsafeDisableDeepCopy); err != nil {
+	running, err := r.enforcerPods(ctx, p)
+	if err != nil {
 		return err
 	}
-	fetch := r.FetchReport
-	if fetch == nil {
-		fetch = defaultFetch
+	for _, pod := range running {
+		obs.pods = append(obs.pods, replica{pod: pod.Name, ready: podReady(pod), err: errors.New("the pod has no IP yet")})
+	}
+	var wg sync.WaitGroup
+	for i, pod := range running {
+		if pod.Status.PodIP == "" {
+			continue
+		}
+		if read, ok := r.mem.reports.fresh(pod, time.Now()); ok {
+			obs.pods[i].report, obs.pods[i].err = read.report, read.err
+			continue
+		}
+		wg.Go(func() {
+			read := r.readReport(ctx, pod)
+			obs.pods[i].report, obs.pods[i].err = read.report, read.err
+		})
+	}
+	wg.Wait()
+	reports := map[types.UID]*report.Report{}
+	for i, pod := range running {
+		reports[pod.UID] = obs.pods[i].report
+	}
+	id := p.Namespace + "/" + p.Name
+	key := client.ObjectKeyFromObject(p)
+	obs.counts = r.mem.history.record(key, func(rule report.Rule) (string, bool) {
+		return rule.Name, rule.Policy == id
+	}, reports, r.clock().Now())
+	// Counts of the last minute move on with the clock until the window has passed the last
+	// decision: the ticker brings the policy back each interval until then.
+	r.mem.reports.setMoving(key, counted(obs.counts))
+	return nil
+}
+
+// enforcerPods are the policy's enforcer pods that are not terminating nor done, found through
+// the cache's index by policy.
+func (r *RateLimitPolicyReconciler) enforcerPods(ctx context.Context, p *v1alpha1.RateLimitPolicy) ([]*corev1.Pod, error) {
+	var pods corev1.PodList
+	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingFields{podPolicyIndex: p.Name}, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, err
 	}
 	var running []*corev1.Pod
 	for i := range pods.Items {
@@ -253,32 +345,34 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 			continue
 		}
 		running = append(running, pod)
-		obs.pods = append(obs.pods, replica{pod: pod.Name, ready: podReady(pod), err: errors.New("the pod has no IP yet")})
 	}
-	var wg sync.WaitGroup
-	for i, pod := range running {
-		if pod.Status.PodIP == "" {
-			continue
-		}
-		wg.Go(func() {
-			ctx, cancel := context.WithTimeout(ctx, reportTimeout)
-			defer cancel()
-			obs.pods[i].report, obs.pods[i].err = fetch(ctx, pod)
-			if obs.pods[i].err != nil {
-				reportFailures.WithLabelValues(reportFailureReason(obs.pods[i].err)).Inc()
-			}
-		})
+	return running, nil
+}
+
+// reportRead is one read of an enforcer's report: the report or why there is none, and whether
+// that differs from the previous read of the pod.
+type reportRead struct {
+	report  *report.Report
+	err     error
+	changed bool
+}
+
+// readReport reads the report of one enforcer pod, counts the read, and records it for the
+// report ticker to compare the next read with.
+func (r *RateLimitPolicyReconciler) readReport(ctx context.Context, pod *corev1.Pod) reportRead {
+	fetch := r.FetchReport
+	if fetch == nil {
+		fetch = defaultFetch
 	}
-	wg.Wait()
-	reports := map[types.UID]*report.Report{}
-	for i, pod := range running {
-		reports[pod.UID] = obs.pods[i].report
+	started := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	defer cancel()
+	rep, err := fetch(ctx, pod)
+	reportReads.Inc()
+	if err != nil {
+		reportFailures.WithLabelValues(reportFailureReason(err)).Inc()
 	}
-	id := p.Namespace + "/" + p.Name
-	obs.counts = r.mem.history.record(client.ObjectKeyFromObject(p), func(rule report.Rule) (string, bool) {
-		return rule.Name, rule.Policy == id
-	}, reports, r.clock().Now())
-	return nil
+	return reportRead{report: rep, err: err, changed: r.mem.reports.observe(pod, rep, err, started)}
 }
 
 // defaultFetch keeps a connection to every enforcer between reads: net/http's default of 100
@@ -367,7 +461,7 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 	r.mem.written.Store(key, now)
 	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
 		old, cur := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
-		if cur == nil || old != nil && old.Status == cur.Status {
+		if cur == nil || old != nil && old.Status == cur.Status || old == nil && !newsAtFirst(cur) {
 			continue
 		}
 		kind := corev1.EventTypeNormal
@@ -379,6 +473,21 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 		}
 	}
 	return 0, nil
+}
+
+// newsAtFirst tells whether a condition's first status is worth an event: only a problem the
+// policy will not outgrow by itself, a policy not accepted or degraded from the start. Every new
+// policy is Accepted, not Degraded, and not yet Ready while its enforcer rolls out: telling that
+// would be three events, three writes to the API server, for every new policy. Ready is told when
+// it turns True.
+func newsAtFirst(c *metav1.Condition) bool {
+	switch c.Type {
+	case v1alpha1.ConditionAccepted:
+		return c.Status == metav1.ConditionFalse
+	case v1alpha1.ConditionDegraded:
+		return c.Status == metav1.ConditionTrue
+	}
+	return false
 }
 
 // noticeable tells whether a status change is one a user or a GitOps tool acts on, rather than
@@ -461,6 +570,8 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		Watches(&v1alpha1.RateLimitPolicy{}, policiesTargeting(func(o client.Object) string {
 			return o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name
 		}), builder.WithPredicates(predicate.GenerationChangedPredicate{})).
+		// Replicas report what no event announces.
+		WatchesRawSource(reportTicker{r}).
 		Complete(r)
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"sync/atomic"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -56,74 +57,93 @@ func (e *Enforcer) watchFile(ctx context.Context) {
 	}
 }
 
-// watchConfigMap watches the ConfigMap and applies each version of its policy file. Every
-// request to the API server says whether it can be reached: while one fails, watchFile takes
-// over; the first that succeeds hands back, and the latest version the watch holds is applied
-// again (one that changed meanwhile arrives through the watch).
+// watchConfigMap watches the ConfigMap and applies each version of its policy file (see
+// configMapWatch).
 func (e *Enforcer) watchConfigMap(ctx context.Context) error {
-	src := e.cfg.ConfigMap
-	name := src.Namespace + "/" + src.Name
-	var inf cache.SharedIndexInformer
-	applyObject := func(obj any) {
-		cm, ok := obj.(*corev1.ConfigMap)
-		if !ok {
-			return
-		}
-		data, ok := cm.Data[src.Key]
-		if !ok {
-			e.cfg.Log.Error(errors.New("key missing"), "The enforcer's ConfigMap has no policy file; the last good policies stay",
-				"configMap", name, "key", src.Key)
-			return
-		}
-		e.apply([]byte(data), report.SourceAPI, "configMap", name)
-	}
-	kube := rest.CopyConfig(src.Kube)
-	kube.Wrap(func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripper(func(req *http.Request) (*http.Response, error) {
-			resp, err := rt.RoundTrip(req)
-			failure := err
-			if err == nil && resp.StatusCode >= 400 {
-				// Refused (RBAC, an expired token) or failing: as good as unreachable.
-				failure = fmt.Errorf("%s %s: %s", req.Method, req.URL.Path, resp.Status)
-			}
-			switch {
-			case failure != nil && ctx.Err() == nil:
-				if e.watching.Swap(false) {
-					e.cfg.Log.Error(failure, "Cannot reach the API server; following the mounted file until it is back",
-						"configMap", name, "file", e.cfg.PolicyFile)
-				}
-			case failure == nil && !e.watching.Swap(true):
-				e.cfg.Log.Info("Following the ConfigMap through the API server", "configMap", name)
-				if inf != nil {
-					for _, obj := range inf.GetStore().List() {
-						applyObject(obj)
-					}
-				}
-			}
-			return resp, err
-		})
-	})
+	w := &configMapWatch{e: e, ctx: ctx, src: e.cfg.ConfigMap, name: e.cfg.ConfigMap.Namespace + "/" + e.cfg.ConfigMap.Name}
+	kube := rest.CopyConfig(w.src.Kube)
+	kube.Wrap(func(rt http.RoundTripper) http.RoundTripper { return &reachability{next: rt, watch: w} })
 	cs, err := kubernetes.NewForConfig(kube)
 	if err != nil {
-		return fmt.Errorf("watch ConfigMap %s: %w", name, err)
+		return fmt.Errorf("watch ConfigMap %s: %w", w.name, err)
 	}
-	lw := cache.NewListWatchFromClient(cs.CoreV1().RESTClient(), "configmaps", src.Namespace,
-		fields.OneTermEqualSelector("metadata.name", src.Name))
-	inf = cache.NewSharedIndexInformer(lw, &corev1.ConfigMap{}, 0, cache.Indexers{})
+	lw := cache.NewListWatchFromClient(cs.CoreV1().RESTClient(), "configmaps", w.src.Namespace,
+		fields.OneTermEqualSelector("metadata.name", w.src.Name))
+	inf := cache.NewSharedIndexInformer(lw, &corev1.ConfigMap{}, 0, cache.Indexers{})
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    applyObject,
-		UpdateFunc: func(_, obj any) { applyObject(obj) },
+		AddFunc:    w.apply,
+		UpdateFunc: func(_, obj any) { w.apply(obj) },
 	}); err != nil {
 		return err
 	}
+	w.informer.Store(&inf)
 	e.wg.Go(func() { inf.RunWithContext(ctx) })
 	return nil
 }
 
-// roundTripper is a function that is an http.RoundTripper.
-type roundTripper func(*http.Request) (*http.Response, error)
+// configMapWatch follows the enforcer's ConfigMap through the API server. Every request to the
+// API server says whether it can be reached: while one fails, watchFile takes over; the first
+// that succeeds hands back, and the latest version the watch holds is applied again (one that
+// changed meanwhile arrives through the watch).
+type configMapWatch struct {
+	e    *Enforcer
+	ctx  context.Context
+	src  *ConfigMapSource
+	name string
+	// informer is set once the watch runs; requests before it have nothing to apply again.
+	informer atomic.Pointer[cache.SharedIndexInformer]
+}
 
-func (f roundTripper) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
+// apply applies the policy file of a version of the ConfigMap.
+func (w *configMapWatch) apply(obj any) {
+	cm, ok := obj.(*corev1.ConfigMap)
+	if !ok {
+		return
+	}
+	data, ok := cm.Data[w.src.Key]
+	if !ok {
+		w.e.cfg.Log.Error(errors.New("key missing"), "The enforcer's ConfigMap has no policy file; the last good policies stay",
+			"configMap", w.name, "key", w.src.Key)
+		return
+	}
+	w.e.apply([]byte(data), report.SourceAPI, "configMap", w.name)
+}
+
+// observe moves the watch between following the API server and following the mounted file, by
+// how a request to the API server ended. A refusal (RBAC, an expired token) or a failing
+// answer is as good as unreachable.
+func (w *configMapWatch) observe(req *http.Request, resp *http.Response, err error) {
+	failure := err
+	if err == nil && resp.StatusCode >= 400 {
+		failure = fmt.Errorf("%s %s: %s", req.Method, req.URL.Path, resp.Status)
+	}
+	switch {
+	case failure != nil && w.ctx.Err() == nil:
+		if w.e.watching.Swap(false) {
+			w.e.cfg.Log.Error(failure, "Cannot reach the API server; following the mounted file until it is back",
+				"configMap", w.name, "file", w.e.cfg.PolicyFile)
+		}
+	case failure == nil && !w.e.watching.Swap(true):
+		w.e.cfg.Log.Info("Following the ConfigMap through the API server", "configMap", w.name)
+		if inf := w.informer.Load(); inf != nil {
+			for _, obj := range (*inf).GetStore().List() {
+				w.apply(obj)
+			}
+		}
+	}
+}
+
+// reachability is the API client's transport: it tells the watch how each request ended.
+type reachability struct {
+	next  http.RoundTripper
+	watch *configMapWatch
+}
+
+func (r *reachability) RoundTrip(req *http.Request) (*http.Response, error) {
+	resp, err := r.next.RoundTrip(req)
+	r.watch.observe(req, resp, err)
+	return resp, err
+}
 
 // apply loads a policy file from source and puts it in force, unless it is the one in force. An
 // invalid one is logged and refused; the last good policies stay.

@@ -14,15 +14,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Defaults of the connection bounds (Config.MaxConns, MaxConnsPerClient, WriteTimeout,
-// IdleTimeout).
-const (
-	DefaultMaxConns          = 4_096
-	DefaultMaxConnsPerClient = 2_048
-	DefaultWriteTimeout      = 30 * time.Second
-	DefaultIdleTimeout       = 2 * time.Minute
-)
-
 // Bounds of the admin listener, which has a budget of its own: probes and scrapes are served
 // however many connections the traffic listeners hold.
 const (
@@ -43,8 +34,8 @@ type connBudget struct {
 	per   map[netip.Addr]int
 }
 
-func newConnBudget(max, perClient int) *connBudget {
-	return &connBudget{max: max, perClient: perClient, per: map[netip.Addr]int{}}
+func newConnBudget(total, perClient int) *connBudget {
+	return &connBudget{max: total, perClient: perClient, per: map[netip.Addr]int{}}
 }
 
 // admit counts a new connection in, or says which bound it is over.

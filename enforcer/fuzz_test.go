@@ -35,6 +35,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 // Generated hostile input against every front end, served in memory by the real servers. The
@@ -76,10 +77,10 @@ var (
 	bed     *fuzzBed
 )
 
-func fuzzServers(t testing.TB) *fuzzBed {
+func fuzzServers(_ testing.TB) *fuzzBed {
 	bedOnce.Do(func() {
 		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), netProxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
-		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		up := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
 			// As the upstream resolves the path: decoded by net/http, cleaned as a router does,
 			// and matched by whole segments as the rule's Prefix is.
 			if clean := path.Clean("/" + r.URL.Path); clean == "/admin" || strings.HasPrefix(clean, "/admin/") {
@@ -102,7 +103,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 			panic("the first /admin request was refused")
 		}
 		u, _ := url.Parse(up.URL)
-		e := &Enforcer{cfg: Config{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second, Log: logr.Discard()},
+		e := &Enforcer{cfg: Config{Enforcer: settings.Enforcer{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second}, Log: logr.Discard()},
 			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
 		um := newUpstreamMetrics(prometheus.NewRegistry())
 		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
@@ -120,6 +121,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 // exchange writes raw bytes to a listener and reads what comes back until the server closes
 // the connection or stays silent.
 func exchange(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) []byte {
+	t.Helper()
 	c, err := ln.Dial()
 	if err != nil {
 		t.Fatal(err)
@@ -219,6 +221,7 @@ func FuzzProxyH2C(f *testing.F) {
 // connection open after its answer, so waiting for its end would spend the deadline on every
 // input.
 func answered(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) {
+	t.Helper()
 	c, err := ln.Dial()
 	if err != nil {
 		t.Fatal(err)
@@ -418,6 +421,7 @@ func validTarget(s string) bool {
 // endpoint gets the target as nginx builds X-Original-URL, after a client's Host whose port does
 // not parse, and its 403 is read as the 429 it stands for.
 func frontEnds(t *testing.T) []func(method, target, key string) int {
+	t.Helper()
 	b := fuzzServers(t) // for its upstream and for the policies
 	fresh := func() *limiter.Limiter {
 		l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
@@ -508,7 +512,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 }
 
 // fuzzUpstream are the default upstream options.
-var fuzzUpstream = upstreamOptions{connect: DefaultUpstreamConnectTimeout, responseHeader: DefaultUpstreamResponseHeaderTimeout, idle: DefaultUpstreamIdleTimeout}
+var fuzzUpstream = upstreamOptions{connect: settings.Defaults().UpstreamConnectTimeout, responseHeader: settings.Defaults().UpstreamResponseHeaderTimeout, idle: settings.Defaults().UpstreamIdleTimeout}
 
 // FuzzForwarded holds the Forwarded parser to RFC 7239 on generated values: it never panics;
 // what it accepts keeps its first element's host and proto when the proxy appends its own
@@ -530,7 +534,7 @@ func FuzzForwarded(f *testing.F) {
 			t.Fatalf("%q: proto %q is not a scheme", v, proto)
 		}
 		peer := netip.MustParseAddr("2001:db8::1")
-		joined := string(appendForwardedElement([]byte(v+", "), peer, []byte("h"), "http"))
+		joined := string(appendForwardedElement([]byte(v+", "), peer, []byte("h")))
 		if len(joined) <= maxForwardedBytes {
 			h2, p2, ok2 := forwardedFirst(joined)
 			if !ok2 || h2 != host || p2 != proto {
@@ -538,7 +542,7 @@ func FuzzForwarded(f *testing.F) {
 			}
 		}
 		if host != "" && !strings.ContainsAny(host, "\x00\r\n\x7f") {
-			own := string(appendForwardedElement(nil, peer, []byte(host), "http"))
+			own := string(appendForwardedElement(nil, peer, []byte(host)))
 			if h3, p3, ok3 := forwardedFirst(own); len(own) <= maxForwardedBytes && (!ok3 || h3 != host || p3 != "http") {
 				t.Fatalf("the proxy's element %q for host %q read back as %q %q %v", own, host, h3, p3, ok3)
 			}

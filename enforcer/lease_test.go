@@ -44,6 +44,7 @@ type streamer struct {
 }
 
 func newStreamer(t *testing.T) *streamer {
+	t.Helper()
 	s := &streamer{release: make(chan struct{})}
 	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		s.inFlight.Add(1)
@@ -251,6 +252,7 @@ const chargePolicy = `    - name: failures
 // with the cost its query names, in a header (?header=V, repeated for several values) or, after
 // a streamed body, in a trailer (?trailer=V).
 func charger(t *testing.T) *httptest.Server {
+	t.Helper()
 	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		q := r.URL.Query()
 		if r.URL.Path == "/login" {
@@ -387,7 +389,7 @@ func TestProxyWhenAClientLeavesBeforeTheResponseBeginsThenItsSlotAndUpstreamRequ
 		t.Run(name, func(t *testing.T) {
 			var inFlight atomic.Int64
 			arrived := make(chan struct{}, 1)
-			up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			up := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
 				if r.URL.Path != "/stream" {
 					return
 				}

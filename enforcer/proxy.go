@@ -354,7 +354,7 @@ func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 		}
 	}
 	xff = peer.AppendTo(xff)
-	fwd = appendForwardedElement(fwd, peer, host, "http")
+	fwd = appendForwardedElement(fwd, peer, host)
 	h.SetBytesV("X-Forwarded-For", xff)
 	h.SetBytesV("X-Forwarded-Host", xfh)
 	h.SetBytesV("X-Forwarded-Proto", xfp)

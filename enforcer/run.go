@@ -27,20 +27,19 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/buildinfo"
+	"github.com/sluice-dev/sluice/internal/policy"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 // Config is everything the enforcer needs. cmd/enforcer fills it from flags and environment.
 type Config struct {
 	// PolicyFile holds one or more RateLimitPolicy documents. It is watched: a valid change
 	// takes effect within ReloadInterval; an invalid one is logged and the last good one stays.
-	PolicyFile     string
-	ReloadInterval time.Duration
+	PolicyFile string
 	// ConfigMap, when set, is watched through the API server, and its policy file is applied
 	// as it changes; PolicyFile then serves at start and while the watch fails.
 	ConfigMap *ConfigMapSource
-	// StorePingInterval is how often the store is pinged for the report. Default 2s.
-	StorePingInterval time.Duration
 	// Upstream receives the requests that pass. Nil serves no proxy (check API only).
 	Upstream *url.URL
 	// Listen, CheckListen and AdminListen are the proxy, check API and admin addresses, and
@@ -48,52 +47,27 @@ type Config struct {
 	Listen, CheckListen, AdminListen, RLSListen string
 	// Redis, when set, is the store; otherwise the memory store, exact for one replica only.
 	Redis *store.RedisOptions
-	// MemoryMaxKeys bounds the memory store's keys. Default 1,000,000.
-	MemoryMaxKeys int
-	// ShutdownDelay is how long, once ctx is done, the enforcer keeps serving while /readyz
-	// fails, so that Service endpoints and load balancers drop it before its listeners close.
-	ShutdownDelay time.Duration
-	// ShutdownTimeout bounds the drain of in-flight requests after the delay: every request
-	// accepted by then is answered within it, leaky-bucket requests held in their queue included.
-	ShutdownTimeout time.Duration
-	// ReadTimeout bounds the reading of a request's header block on every listener: a client
-	// that takes longer gets 408. Default 10s.
-	ReadTimeout time.Duration
-	// WriteTimeout ends a connection whose writes make no progress for that long, on every
-	// listener: a client that stops reading holds nothing for ever. Default DefaultWriteTimeout.
-	WriteTimeout time.Duration
-	// IdleTimeout closes a connection that has carried no request for that long, on every
-	// listener (an HTTP/2 or gRPC connection: no stream). Default DefaultIdleTimeout.
-	IdleTimeout time.Duration
-	// MaxConns bounds the open connections of the proxy, the check API and the rate limit
-	// service together, and MaxConnsPerClient those from one address; a connection over either
-	// is answered 503 or 429 and closed as it is accepted. The admin listener has bounds of its
-	// own. Defaults DefaultMaxConns and DefaultMaxConnsPerClient.
-	MaxConns, MaxConnsPerClient int
 	// UpstreamTLS is the client TLS of an https upstream: its roots, the name its certificate
 	// must hold, and a client certificate. Nil trusts the system roots and names the URL's host.
 	UpstreamTLS *tls.Config
-	// UpstreamConnectTimeout bounds a connection to the upstream (and its TLS handshake);
-	// UpstreamResponseHeaderTimeout the wait for a response header once the request is sent,
-	// which neither a streamed body nor an upgraded connection counts against, nor a gRPC call;
-	// UpstreamIdleTimeout how long an idle pooled connection is kept. Defaults
-	// DefaultUpstreamConnectTimeout, DefaultUpstreamResponseHeaderTimeout and
-	// DefaultUpstreamIdleTimeout. A timed-out upstream is answered 504.
-	UpstreamConnectTimeout, UpstreamResponseHeaderTimeout, UpstreamIdleTimeout time.Duration
 	// Pprof serves Go's profiles under /debug/pprof/ on the admin address.
 	Pprof bool
 	// Now is the enforcer's clock: the memory store's time and the refusal cache's. Default
 	// time.Now. The Redis store never reads it: its decisions use Redis TIME.
 	Now func() time.Time
 	Log logr.Logger
+	// Enforcer holds the timeouts and bounds; a field left zero takes its default
+	// (settings.Defaults), but ShutdownDelay, whose zero stops at once. Every request accepted
+	// before the drain is answered within ShutdownTimeout, leaky-bucket requests held in their
+	// queue included; the admin listener has connection bounds of its own; neither a streamed
+	// body nor an upgraded connection nor a gRPC call counts against
+	// UpstreamResponseHeaderTimeout.
+	settings.Enforcer
 }
 
 // RedisOptions configure the Redis store of Config.Redis: its topology, addresses, credentials,
 // TLS and the deadline of each call.
 type RedisOptions = store.RedisOptions
-
-// DefaultRedisTimeout bounds each Redis call unless RedisOptions.Timeout says otherwise.
-const DefaultRedisTimeout = store.DefaultTimeout
 
 // Enforcer is a running enforcer.
 type Enforcer struct {
@@ -141,79 +115,90 @@ func Run(ctx context.Context, cfg Config) error {
 // ShutdownDelay, then stop accepting and drain the requests in flight for up to ShutdownTimeout,
 // and only then is the store closed.
 func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
-	if cfg.ReloadInterval <= 0 {
-		cfg.ReloadInterval = time.Second
-	}
-	if cfg.ShutdownTimeout <= 0 {
-		cfg.ShutdownTimeout = 30 * time.Second
-	}
-	if cfg.StorePingInterval <= 0 {
-		cfg.StorePingInterval = 2 * time.Second
-	}
-	if cfg.ReadTimeout <= 0 {
-		cfg.ReadTimeout = 10 * time.Second
-	}
-	if cfg.WriteTimeout <= 0 {
-		cfg.WriteTimeout = DefaultWriteTimeout
-	}
-	if cfg.IdleTimeout <= 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.UpstreamConnectTimeout <= 0 {
-		cfg.UpstreamConnectTimeout = DefaultUpstreamConnectTimeout
-	}
-	if cfg.UpstreamResponseHeaderTimeout <= 0 {
-		cfg.UpstreamResponseHeaderTimeout = DefaultUpstreamResponseHeaderTimeout
-	}
-	if cfg.UpstreamIdleTimeout <= 0 {
-		cfg.UpstreamIdleTimeout = DefaultUpstreamIdleTimeout
-	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
-	if cfg.MaxConnsPerClient <= 0 {
-		cfg.MaxConnsPerClient = DefaultMaxConnsPerClient
-	}
-	data, err := os.ReadFile(cfg.PolicyFile)
+	cfg.Enforcer = cfg.WithDefaults()
+	data, policies, err := loadFile(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
-	}
-	policies, warnings, err := Load(data)
-	if err != nil {
-		return nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
-	}
-	for _, w := range warnings {
-		cfg.Log.Info("Policy file: "+w, "file", cfg.PolicyFile)
+		return nil, err
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
-	opts := limiter.Options{Metrics: limiter.NewMetrics(reg), Log: cfg.Log, Now: cfg.Now}
-	if cfg.Redis != nil {
-		rs, err := store.NewRedis(*cfg.Redis)
-		if err != nil {
-			return nil, err
-		}
-		opts.Store = rs
-		opts.BreakerFailures, opts.BreakerOpen = 3, time.Second
-		opts.RefusalCache = true
-	} else {
-		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, Now: cfg.Now})
+	opts, err := limiterOptions(cfg, reg)
+	if err != nil {
+		return nil, err
 	}
 	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{}),
-		panics: newPanics(reg, cfg.Log), conns: newConnMetrics(reg)}
+		panics: newPanics(reg, cfg.Log), conns: newConnMetrics(reg), reloads: newReloads(reg)}
 	e.started = e.now()
 	e.limiter.SetPolicies(policies)
 	e.served.Store(&served{Revision: report.Revision(data), Since: e.started, Source: report.SourceFile})
 	// The report tells the store's health from the start: a first ping, at most a second long.
 	e.checkedStore(e.ping(ctx))
-	e.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
+	servers := []server{
+		{"proxy", &e.ProxyAddr, cfg.Listen, e.proxy(reg)},
+		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
+		{"rls", &e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
+		{"admin", &e.AdminAddr, cfg.AdminListen, e.serveHTTP(e.panics.http("admin", e.admin(reg)))},
+	}
+	if err := e.listenAndServe(servers); err != nil {
+		e.stop(0)
+		return nil, err
+	}
+	if err := e.follow(ctx); err != nil {
+		e.stop(0)
+		return nil, err
+	}
+	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr, "rls", e.RLSAddr,
+		"policies", len(policies), "store", storeName(cfg))
+	return e, nil
+}
+
+// loadFile reads and loads the policy file the enforcer starts with.
+func loadFile(cfg Config) ([]byte, []*policy.Policy, error) {
+	data, err := os.ReadFile(cfg.PolicyFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
+	}
+	policies, warnings, err := Load(data)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load %s: %w", cfg.PolicyFile, err)
+	}
+	for _, w := range warnings {
+		cfg.Log.Info("Policy file: "+w, "file", cfg.PolicyFile)
+	}
+	return data, policies, nil
+}
+
+// limiterOptions opens the store: Redis, behind a breaker and a refusal cache, or memory.
+func limiterOptions(cfg Config, reg *prometheus.Registry) (limiter.Options, error) {
+	opts := limiter.Options{Metrics: limiter.NewMetrics(reg), Log: cfg.Log, Now: cfg.Now}
+	if cfg.Redis == nil {
+		opts.Store = store.NewMemory(store.MemoryOptions{MaxKeys: cfg.MemoryMaxKeys, MaxBytes: cfg.MemoryMaxBytes, Now: cfg.Now})
+		return opts, nil
+	}
+	rs, err := store.NewRedis(*cfg.Redis)
+	if err != nil {
+		return opts, err
+	}
+	opts.Store = rs
+	opts.BreakerFailures, opts.BreakerOpen = 3, time.Second
+	opts.RefusalCache = true
+	return opts, nil
+}
+
+func newReloads(reg *prometheus.Registry) *prometheus.CounterVec {
+	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sluice_config_reloads_total", Help: "Policy file reloads by result (applied, refused).",
 	}, []string{"result"})
 	for _, result := range []string{"applied", "refused"} {
-		e.reloads.WithLabelValues(result) // at zero from the start: the first refusal is an increase
+		reloads.WithLabelValues(result) // at zero from the start: the first refusal is an increase
 	}
-	reg.MustRegister(e.reloads)
+	reg.MustRegister(reloads)
+	return reloads
+}
 
+// admin is the admin server's handler: metrics, probes, the report, /keys and, when asked for,
+// Go's profiles.
+func (e *Enforcer) admin(reg *prometheus.Registry) http.Handler {
 	live := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }
 	ready := func(w http.ResponseWriter, r *http.Request) {
 		if e.stopping.Load() {
@@ -228,50 +213,49 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	admin.HandleFunc("/readyz", ready)
 	admin.HandleFunc(report.Path, e.serveReport)
 	admin.HandleFunc(KeysPath, e.serveKeys)
-	if cfg.Pprof {
+	if e.cfg.Pprof {
 		admin.HandleFunc("/debug/pprof/", pprof.Index)
 		admin.HandleFunc("/debug/pprof/profile", pprof.Profile)
 		admin.HandleFunc("/debug/pprof/trace", pprof.Trace)
 		admin.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 		admin.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	}
+	return admin
+}
 
-	var serveProxy func(net.Listener) func(context.Context) error
-	if cfg.Upstream != nil {
-		um := newUpstreamMetrics(reg)
-		o := upstreamOptions{tls: cfg.UpstreamTLS, connect: cfg.UpstreamConnectTimeout, responseHeader: cfg.UpstreamResponseHeaderTimeout, idle: cfg.UpstreamIdleTimeout}
-		h2 := e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, newTransport(cfg.Upstream, o), cfg.WriteTimeout, um, cfg.Log))
-		if cfg.Upstream.Scheme == "http" {
-			fast := newFastProxy(e.limiter, cfg.Upstream, o, um, cfg.Log)
-			fast.panics = e.panics
-			serveProxy = e.serveProxy(fast, h2)
-		} else {
-			// TLS and HTTP/2 upstreams: net/http serves both HTTP/1.1 and h2c clients.
-			serveProxy = e.serveHTTP(h2)
-		}
+// proxy serves the reverse proxy, or nil without an upstream: fasthttp in front of a plain
+// HTTP/1.1 upstream (and net/http for h2c clients beside it), net/http alone in front of TLS
+// and HTTP/2 upstreams.
+func (e *Enforcer) proxy(reg *prometheus.Registry) func(net.Listener) func(context.Context) error {
+	cfg := e.cfg
+	if cfg.Upstream == nil {
+		return nil
 	}
-	servers := []server{
-		{"proxy", &e.ProxyAddr, cfg.Listen, serveProxy},
-		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
-		{"rls", &e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
-		{"admin", &e.AdminAddr, cfg.AdminListen, e.serveHTTP(e.panics.http("admin", admin))},
+	um := newUpstreamMetrics(reg)
+	o := upstreamOptions{tls: cfg.UpstreamTLS, connect: cfg.UpstreamConnectTimeout, responseHeader: cfg.UpstreamResponseHeaderTimeout, idle: cfg.UpstreamIdleTimeout}
+	h2 := e.panics.http("proxy", newProxy(e.limiter, cfg.Upstream, newTransport(cfg.Upstream, o), cfg.WriteTimeout, um, cfg.Log))
+	if cfg.Upstream.Scheme != "http" {
+		return e.serveHTTP(h2)
 	}
-	if err := e.listenAndServe(servers); err != nil {
-		e.stop(0)
-		return nil, err
-	}
+	fast := newFastProxy(e.limiter, cfg.Upstream, o, um, cfg.Log)
+	fast.panics = e.panics
+	return e.serveProxy(fast, h2)
+}
+
+// follow starts what runs beside the servers: the policy file's and the ConfigMap's watches, the
+// store's pings, and the stop, when ctx is done or a server fails.
+func (e *Enforcer) follow(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	e.wg.Go(func() { e.watchFile(ctx) })
 	e.wg.Go(func() { e.pingStore(ctx) })
-	if cfg.ConfigMap != nil {
+	if e.cfg.ConfigMap != nil {
 		if err := e.watchConfigMap(ctx); err != nil {
 			cancel()
-			e.stop(0)
-			return nil, err
+			return err
 		}
 	}
 	go func() {
-		delay := cfg.ShutdownDelay
+		delay := e.cfg.ShutdownDelay
 		select {
 		case <-ctx.Done():
 		case err := <-e.errs: // a server failed: stop the rest at once
@@ -280,9 +264,7 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		cancel()
 		e.stop(delay)
 	}()
-	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr, "rls", e.RLSAddr,
-		"policies", len(policies), "store", storeName(cfg))
-	return e, nil
+	return nil
 }
 
 // server is one of the enforcer's listeners: its name, where its address is reported, the

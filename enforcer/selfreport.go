@@ -13,8 +13,8 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
-	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 // pingStore pings the store every StorePingInterval and keeps what it learned for the report.
@@ -61,7 +61,7 @@ func (e *Enforcer) checkedStore(err error) {
 // ping answered in time (a Cluster's other node, a connection that was being replaced) is a
 // store that answers.
 func (e *Enforcer) ping(ctx context.Context) error {
-	timeout := store.DefaultTimeout
+	timeout := settings.Defaults().RedisTimeout
 	if e.cfg.Redis != nil && e.cfg.Redis.Timeout > 0 {
 		timeout = e.cfg.Redis.Timeout
 	}

@@ -26,16 +26,6 @@ import (
 //
 // Both proxies bound the hop with the same three timeouts and count its failures alike.
 
-// Defaults of the upstream timeouts. The idle timeout is shorter than the shortest keep-alive of
-// common upstream servers (gunicorn's 2 s, Node's and uvicorn's 5 s), so that the proxy closes
-// an idle pooled connection before the upstream does, and never sends a request on one the
-// upstream is closing.
-const (
-	DefaultUpstreamConnectTimeout        = 5 * time.Second
-	DefaultUpstreamResponseHeaderTimeout = 60 * time.Second
-	DefaultUpstreamIdleTimeout           = time.Second
-)
-
 // UpstreamSchemes are the schemes --upstream takes.
 var UpstreamSchemes = []string{"http", "https", "h2c"}
 

@@ -18,8 +18,8 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
-	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // proc is an enforcer binary started by startProc.
@@ -61,13 +61,15 @@ func startProc(t *testing.T, upstream, policy string, flags ...string) *proc {
 
 // storeSets are the stores the binary tests of leases and charges run on: memory (one
 // enforcer), and three enforcers on one standalone Redis and on one 3-master Cluster.
-func storeSets(t *testing.T) map[string]func(t *testing.T) (flags []string, replicas int) {
+func storeSets() map[string]func(t *testing.T) (flags []string, replicas int) {
 	return map[string]func(t *testing.T) ([]string, int){
 		"memory": func(*testing.T) ([]string, int) { return nil, 1 },
 		"redis": func(t *testing.T) ([]string, int) {
+			t.Helper()
 			return []string{"--redis-url=redis://" + redistest.NewServer(t).Addr() + "/0"}, 3
 		},
 		"cluster": func(t *testing.T) ([]string, int) {
+			t.Helper()
 			return []string{"--redis-cluster=" + strings.Join(redistest.NewCluster(t, 3).Addrs(), ",")}, 3
 		},
 	}
@@ -86,6 +88,7 @@ type holder struct {
 }
 
 func newHolder(t *testing.T) *holder {
+	t.Helper()
 	h := &holder{release: make(chan struct{})}
 	h.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/quick" {
@@ -199,7 +202,7 @@ func probe(p *proc, key string) int {
 // complete, when their clients leave, and, when the enforcer holding them is SIGKILLed, within
 // the lease timeout; a streamed response holds its slot until its last byte.
 func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlightAtATime(t *testing.T) {
-	for name, set := range storeSets(t) {
+	for name, set := range storeSets() {
 		t.Run(name, func(t *testing.T) {
 			flags, replicas := set(t)
 			h := newHolder(t)
@@ -209,7 +212,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 			}
 			free := func(what, key string) {
 				t.Helper()
-				testenv.WaitFor(t, 15*time.Second, func() error {
+				poll.WaitFor(t, 15*time.Second, func() error {
 					if s := probe(ps[len(ps)-1], key); s != http.StatusOK {
 						return fmt.Errorf("%s: a probe is answered %d", what, s)
 					}
@@ -222,7 +225,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 			if got := collect(t, statuses, 190); got[http.StatusTooManyRequests] != 190 {
 				t.Fatalf("answers while 10 are held: %v, want 190 refused", got)
 			}
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				if n := h.inFlight.Load(); n != 10 {
 					return fmt.Errorf("%d in flight at the upstream, want 10", n)
 				}
@@ -235,7 +238,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 				}
 				return n
 			}
-			testenv.WaitFor(t, 30*time.Second, func() error {
+			poll.WaitFor(t, 30*time.Second, func() error {
 				// A renewal every second per request: seven each take them past two timeouts.
 				if n := renewals(); n < 70 {
 					return fmt.Errorf("%v renewals", n)
@@ -262,7 +265,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 			if got := collect(t, statuses, 190); got[http.StatusTooManyRequests] != 190 {
 				t.Fatalf("second wave: %v, want 190 refused", got)
 			}
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				if n := h.inFlight.Load(); n != 10 {
 					return fmt.Errorf("%d in flight, want 10", n)
 				}
@@ -270,7 +273,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 			})
 			leave()
 			collect(t, statuses, 10)
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				if n := h.inFlight.Load(); n != 0 {
 					return fmt.Errorf("%d still in flight at the upstream after their clients left", n)
 				}
@@ -301,7 +304,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 				t.Errorf("the stream's end: %q", rest)
 			}
 			_ = resp.Body.Close()
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				third, _ := sendHeld(ps[len(ps)-1:], "s", "/stream?short", 1)
 				if s := <-third; s != http.StatusOK {
 					return fmt.Errorf("after the stream's last byte: %d", s)
@@ -316,7 +319,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 			// its connections; the leases stay in Redis until their timeout, unrenewed.
 			statuses, leave = sendHeld(ps[:1], "k", "/slow", 10)
 			defer leave()
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				if n := h.inFlight.Load(); n != 10 {
 					return fmt.Errorf("%d in flight, want 10", n)
 				}
@@ -330,7 +333,7 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 			if s := probe(ps[1], "k"); s != http.StatusTooManyRequests {
 				t.Errorf("just after the kill: %d, want 429: the dead enforcer's leases are still held", s)
 			}
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				if s := probe(ps[1], "k"); s != http.StatusOK {
 					return fmt.Errorf("%v after the kill: %d", time.Since(killed), s)
 				}
@@ -380,7 +383,7 @@ spec:
 // fifth request. Each response is charged in the background once it has ended: the test waits
 // for the charge the binary reports before the next request.
 func TestEnforcerBinaryWhenResponsesAreChargedThenFailedLoginsAndTokensCount(t *testing.T) {
-	for name, set := range storeSets(t) {
+	for name, set := range storeSets() {
 		t.Run(name, func(t *testing.T) {
 			flags, _ := set(t)
 			up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -411,7 +414,7 @@ func TestEnforcerBinaryWhenResponsesAreChargedThenFailedLoginsAndTokensCount(t *
 			}
 			waitCharged := func(rule string, n float64) {
 				t.Helper()
-				testenv.WaitFor(t, 15*time.Second, func() error {
+				poll.WaitFor(t, 15*time.Second, func() error {
 					if got := charges(rule); got != n {
 						return fmt.Errorf("%s charged %v times, want %v", rule, got, n)
 					}
@@ -472,7 +475,7 @@ func TestEnforcerBinaryWhenResponsesAreChargedThenFailedLoginsAndTokensCount(t *
 // same requests (clients retrying a concurrency refusal), at most 3 are ever in flight, and at
 // most 5 + 3 - 1 pass: the attempt whose charge reaches the limit frees its slot with it.
 func TestEnforcerBinaryWhenFiftyFailingLoginsArriveAtOnceThenTheOvershootStaysWithinTheBound(t *testing.T) {
-	for name, set := range storeSets(t) {
+	for name, set := range storeSets() {
 		t.Run(name, func(t *testing.T) {
 			flags, _ := set(t)
 			var forwarded, barrier atomic.Int64
@@ -518,7 +521,7 @@ func TestEnforcerBinaryWhenFiftyFailingLoginsArriveAtOnceThenTheOvershootStaysWi
 			if passed.Load() != 50 || forwarded.Load() != 50 {
 				t.Fatalf("%d passed (%d forwarded): all 50 were in flight before any response", passed.Load(), forwarded.Load())
 			}
-			testenv.WaitFor(t, 15*time.Second, func() error {
+			poll.WaitFor(t, 15*time.Second, func() error {
 				if s, _ := attempt("/login", "mallory"); s != http.StatusTooManyRequests {
 					return fmt.Errorf("after 50 failures: %d", s)
 				}

@@ -26,6 +26,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -37,6 +38,7 @@ import (
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/buildinfo"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 func main() {
@@ -58,67 +60,102 @@ func main() {
 	// failures itself, once per change, in its log, metrics and report.
 	redis.SetLogger(quiet{})
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := enforcer.Run(ctx, cfg); err != nil {
+	err = enforcer.Run(ctx, cfg)
+	stop()
+	if err != nil {
 		log.Error(err, "Enforcer failed")
 		os.Exit(1)
 	}
 }
 
+// cmdline is what the flags say, before it becomes an enforcer.Config.
+type cmdline struct {
+	cfg                                   enforcer.Config
+	upstream, redisURL, cluster, sentinel string
+	master, caFile, serverName            string
+	useTLS                                bool
+	configMap, kubeconfig                 string
+	usernameFile, passwordFile            string
+	logLevel                              string
+	showVersion                           bool
+	upCA, upServerName, upCert, upKey     string
+	clockOffset                           time.Duration
+}
+
 func parse(args []string) (enforcer.Config, error) {
 	fs := flag.NewFlagSet("enforcer", flag.ContinueOnError)
-	var (
-		cfg                                   enforcer.Config
-		upstream, redisURL, cluster, sentinel string
-		master, caFile, serverName            string
-		useTLS                                bool
-		timeout                               time.Duration
-		configMap, kubeconfig                 string
-		usernameFile, passwordFile            string
-		logLevel                              string
-		showVersion                           bool
-		upCA, upServerName, upCert, upKey     string
-	)
-	fs.StringVar(&cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
-	fs.StringVar(&upstream, "upstream", "", "URL that receives the requests that pass: http://HOST:PORT (HTTP/1.1), https://HOST:PORT (TLS; HTTP/2 when the upstream offers it by ALPN) or h2c://HOST:PORT (cleartext HTTP/2, as gRPC servers speak it).")
-	fs.StringVar(&upCA, "upstream-ca-file", "", "PEM CA bundle that signs an https upstream's certificate; default the system roots.")
-	fs.StringVar(&upServerName, "upstream-server-name", "", "Name to verify in an https upstream's certificate (and send as SNI); default the host of --upstream.")
-	fs.StringVar(&upCert, "upstream-cert-file", "", "PEM client certificate to present to an https upstream; needs --upstream-key-file.")
-	fs.StringVar(&upKey, "upstream-key-file", "", "PEM private key of --upstream-cert-file.")
-	fs.DurationVar(&cfg.UpstreamConnectTimeout, "upstream-connect-timeout", enforcer.DefaultUpstreamConnectTimeout, "Time to connect to the upstream, TLS handshake included; past it, 504.")
-	fs.DurationVar(&cfg.UpstreamResponseHeaderTimeout, "upstream-response-header-timeout", enforcer.DefaultUpstreamResponseHeaderTimeout, "Time the upstream has to start its response once the request is sent; past it, 504 (gRPC DEADLINE_EXCEEDED). A streamed response or upgraded connection that has begun, and a gRPC call (bounded by its own deadline), may last any time.")
-	fs.DurationVar(&cfg.UpstreamIdleTimeout, "upstream-idle-timeout", enforcer.DefaultUpstreamIdleTimeout, "How long an idle pooled upstream connection is kept; keep it below the upstream's keep-alive timeout (gunicorn 2s, Node and uvicorn 5s), so the upstream never closes one the proxy is about to use.")
-	fs.StringVar(&cfg.Listen, "listen", ":8080", "Address of the reverse proxy.")
-	fs.StringVar(&cfg.CheckListen, "check-listen", ":8081", "Address of the check API for ingress forward-auth; empty disables it.")
-	fs.StringVar(&cfg.RLSListen, "rls-listen", "", "Address of Envoy's rate limit service (gRPC, envoy.service.ratelimit.v3); empty, the default, disables it.")
-	fs.StringVar(&cfg.AdminListen, "admin-listen", ":9090", "Address of /metrics, /healthz and /readyz; empty disables it.")
-	fs.StringVar(&redisURL, "redis-url", "", "Standalone Redis, redis://HOST:PORT/DB or rediss:// for TLS.")
-	fs.StringVar(&cluster, "redis-cluster", "", "Redis Cluster seed nodes, HOST:PORT,HOST:PORT,...")
-	fs.StringVar(&sentinel, "redis-sentinel", "", "Redis Sentinel addresses, HOST:PORT,...; needs --redis-master.")
-	fs.StringVar(&master, "redis-master", "", "The master set name the sentinels watch.")
-	fs.BoolVar(&useTLS, "redis-tls", false, "Connect to Redis with TLS (any mode).")
-	fs.StringVar(&caFile, "redis-ca-file", "", "PEM CA bundle that signs the Redis certificates; default the system roots. Implies --redis-tls.")
-	fs.StringVar(&serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
-	fs.StringVar(&usernameFile, "redis-username-file", "", "File holding the Redis username, read at every new connection; replaces REDIS_USERNAME.")
-	fs.StringVar(&passwordFile, "redis-password-file", "", "File holding the Redis password, read at every new connection, so that a rotated mounted Secret takes effect without a restart; replaces REDIS_PASSWORD.")
-	fs.DurationVar(&timeout, "redis-timeout", enforcer.DefaultRedisTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
-	fs.DurationVar(&cfg.ReloadInterval, "reload-interval", time.Second, "How often the policy file is checked for changes.")
-	fs.StringVar(&configMap, "configmap", "", "NAMESPACE/NAME of a ConfigMap to watch through the API server, whose key named as the --policy file holds the policy file; the file then serves at start and while the API server cannot be reached.")
-	fs.StringVar(&kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
-	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
-	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
-	fs.IntVar(&cfg.MaxConns, "max-conns", enforcer.DefaultMaxConns, "Open connections the proxy, the check API and the rate limit service hold together; one more is answered 503 and closed. The admin port has its own bounds (256, 64 per address).")
-	fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", enforcer.DefaultMaxConnsPerClient, "Open connections of the proxy, the check API and the rate limit service from one address (behind an ingress, one ingress pod); one more is answered 429 and closed.")
-	fs.DurationVar(&cfg.ReadTimeout, "read-timeout", 10*time.Second, "Time a client has to send a request's header block; past it, 408.")
-	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", enforcer.DefaultWriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
-	fs.DurationVar(&cfg.IdleTimeout, "idle-timeout", enforcer.DefaultIdleTimeout, "Time a connection may carry no request (HTTP/2 and gRPC: no stream) before it is closed, on every listener.")
-	fs.BoolVar(&cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
-	fs.StringVar(&logLevel, "log-level", "info", "Least level logged: error, info, or debug, which adds every refusal and every failed upstream request (one line each: for finding a problem, not for production traffic).")
-	fs.BoolVar(&showVersion, "version", false, "Print the version, commit and Go version, and exit.")
+	c := define(fs)
+	if err := fs.Parse(args); err != nil {
+		return c.cfg, err
+	}
+	if c.showVersion {
+		return c.cfg, errVersion
+	}
+	if c.cfg.PolicyFile == "" {
+		return c.cfg, errors.New("--policy is required")
+	}
+	if err := checkFlags(fs); err != nil {
+		return c.cfg, err
+	}
+	c.cfg.Log = logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: logLevels[c.logLevel]}))
+	if c.clockOffset != 0 {
+		c.cfg.Now = func() time.Time { return time.Now().Add(c.clockOffset) }
+	}
+	for _, step := range []func() error{c.positive, c.configMapSource, c.upstreamURL, c.redisStore} {
+		if err := step(); err != nil {
+			return c.cfg, err
+		}
+	}
+	return c.cfg, nil
+}
+
+// define defines the flags, each with its default from internal/settings where it has one.
+func define(fs *flag.FlagSet) *cmdline {
+	defaults := settings.Defaults()
+	c := &cmdline{}
+	// Settings without a flag of their own keep their defaults too.
+	c.cfg.Enforcer = defaults
+	fs.StringVar(&c.cfg.PolicyFile, "policy", "", "File of one or more RateLimitPolicy documents (required).")
+	fs.StringVar(&c.upstream, "upstream", "", "URL that receives the requests that pass: http://HOST:PORT (HTTP/1.1), https://HOST:PORT (TLS; HTTP/2 when the upstream offers it by ALPN) or h2c://HOST:PORT (cleartext HTTP/2, as gRPC servers speak it).")
+	fs.StringVar(&c.upCA, "upstream-ca-file", "", "PEM CA bundle that signs an https upstream's certificate; default the system roots.")
+	fs.StringVar(&c.upServerName, "upstream-server-name", "", "Name to verify in an https upstream's certificate (and send as SNI); default the host of --upstream.")
+	fs.StringVar(&c.upCert, "upstream-cert-file", "", "PEM client certificate to present to an https upstream; needs --upstream-key-file.")
+	fs.StringVar(&c.upKey, "upstream-key-file", "", "PEM private key of --upstream-cert-file.")
+	fs.DurationVar(&c.cfg.UpstreamConnectTimeout, "upstream-connect-timeout", defaults.UpstreamConnectTimeout, "Time to connect to the upstream, TLS handshake included; past it, 504.")
+	fs.DurationVar(&c.cfg.UpstreamResponseHeaderTimeout, "upstream-response-header-timeout", defaults.UpstreamResponseHeaderTimeout, "Time the upstream has to start its response once the request is sent; past it, 504 (gRPC DEADLINE_EXCEEDED). A streamed response or upgraded connection that has begun, and a gRPC call (bounded by its own deadline), may last any time.")
+	fs.DurationVar(&c.cfg.UpstreamIdleTimeout, "upstream-idle-timeout", defaults.UpstreamIdleTimeout, "How long an idle pooled upstream connection is kept; keep it below the upstream's keep-alive timeout (gunicorn 2s, Node and uvicorn 5s), so the upstream never closes one the proxy is about to use.")
+	fs.StringVar(&c.cfg.Listen, "listen", ":"+strconv.Itoa(settings.ProxyPort), "Address of the reverse proxy.")
+	fs.StringVar(&c.cfg.CheckListen, "check-listen", ":"+strconv.Itoa(settings.CheckPort), "Address of the check API for ingress forward-auth; empty disables it.")
+	fs.StringVar(&c.cfg.RLSListen, "rls-listen", "", "Address of Envoy's rate limit service (gRPC, envoy.service.ratelimit.v3); empty, the default, disables it.")
+	fs.StringVar(&c.cfg.AdminListen, "admin-listen", ":"+strconv.Itoa(settings.AdminPort), "Address of /metrics, /healthz and /readyz; empty disables it.")
+	fs.StringVar(&c.redisURL, "redis-url", "", "Standalone Redis, redis://HOST:PORT/DB or rediss:// for TLS.")
+	fs.StringVar(&c.cluster, "redis-cluster", "", "Redis Cluster seed nodes, HOST:PORT,HOST:PORT,...")
+	fs.StringVar(&c.sentinel, "redis-sentinel", "", "Redis Sentinel addresses, HOST:PORT,...; needs --redis-master.")
+	fs.StringVar(&c.master, "redis-master", "", "The master set name the sentinels watch.")
+	fs.BoolVar(&c.useTLS, "redis-tls", false, "Connect to Redis with TLS (any mode).")
+	fs.StringVar(&c.caFile, "redis-ca-file", "", "PEM CA bundle that signs the Redis certificates; default the system roots. Implies --redis-tls.")
+	fs.StringVar(&c.serverName, "redis-server-name", "", "Name to verify in the Redis certificate; default the host of the address. Implies --redis-tls.")
+	fs.StringVar(&c.usernameFile, "redis-username-file", "", "File holding the Redis username, read at every new connection; replaces REDIS_USERNAME.")
+	fs.StringVar(&c.passwordFile, "redis-password-file", "", "File holding the Redis password, read at every new connection, so that a rotated mounted Secret takes effect without a restart; replaces REDIS_PASSWORD.")
+	fs.DurationVar(&c.cfg.RedisTimeout, "redis-timeout", defaults.RedisTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
+	fs.DurationVar(&c.cfg.ReloadInterval, "reload-interval", defaults.ReloadInterval, "How often the policy file is checked for changes.")
+	fs.StringVar(&c.configMap, "configmap", "", "NAMESPACE/NAME of a ConfigMap to watch through the API server, whose key named as the --policy file holds the policy file; the file then serves at start and while the API server cannot be reached.")
+	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
+	fs.DurationVar(&c.cfg.ShutdownDelay, "shutdown-delay", defaults.ShutdownDelay, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
+	fs.DurationVar(&c.cfg.ShutdownTimeout, "shutdown-timeout", defaults.ShutdownTimeout, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
+	fs.IntVar(&c.cfg.MaxConns, "max-conns", defaults.MaxConns, "Open connections the proxy, the check API and the rate limit service hold together; one more is answered 503 and closed. The admin port has its own bounds (256, 64 per address).")
+	fs.IntVar(&c.cfg.MaxConnsPerClient, "max-conns-per-client", defaults.MaxConnsPerClient, "Open connections of the proxy, the check API and the rate limit service from one address (behind an ingress, one ingress pod); one more is answered 429 and closed.")
+	fs.DurationVar(&c.cfg.ReadTimeout, "read-timeout", defaults.ReadTimeout, "Time a client has to send a request's header block; past it, 408.")
+	fs.DurationVar(&c.cfg.WriteTimeout, "write-timeout", defaults.WriteTimeout, "Time a connection's writes may make no progress (a client that stops reading) before it is closed; a response that keeps flowing may last any time.")
+	fs.DurationVar(&c.cfg.IdleTimeout, "idle-timeout", defaults.IdleTimeout, "Time a connection may carry no request (HTTP/2 and gRPC: no stream) before it is closed, on every listener.")
+	fs.BoolVar(&c.cfg.Pprof, "pprof", false, "Serve Go's profiles under /debug/pprof/ on the admin address.")
+	fs.StringVar(&c.logLevel, "log-level", "info", "Least level logged: error, info, or debug, which adds every refusal and every failed upstream request (one line each: for finding a problem, not for production traffic).")
+	fs.BoolVar(&c.showVersion, "version", false, "Print the version, commit and Go version, and exit.")
 	// For tests only, and so not in --help: shift the enforcer's own clock, to show that
 	// decisions on Redis use Redis TIME whatever the pod's clock says.
-	var clockOffset time.Duration
-	fs.DurationVar(&clockOffset, testClockOffset, 0, "")
+	// For tests only, and so not in --help: shift the enforcer's own clock, to show that
+	// decisions on Redis use Redis TIME whatever the pod's clock says.
+	fs.DurationVar(&c.clockOffset, testClockOffset, 0, "")
 	fs.Usage = func() {
 		_, _ = fmt.Fprintln(fs.Output(), "Usage of enforcer:")
 		fs.VisitAll(func(f *flag.Flag) {
@@ -127,107 +164,111 @@ func parse(args []string) (enforcer.Config, error) {
 			}
 		})
 	}
-	if err := fs.Parse(args); err != nil {
-		return cfg, err
-	}
-	if showVersion {
-		return cfg, errVersion
-	}
-	if cfg.PolicyFile == "" {
-		return cfg, errors.New("--policy is required")
-	}
-	if err := checkFlags(fs); err != nil {
-		return cfg, err
-	}
-	cfg.Log = logr.FromSlogHandler(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: logLevels[logLevel]}))
+	return c
+}
+
+// positive refuses a connection bound or timeout of zero, which would refuse every connection
+// or cut every response.
+func (c *cmdline) positive() error {
+	cfg := &c.cfg
 	for name, v := range map[string]int64{"--max-conns": int64(cfg.MaxConns), "--max-conns-per-client": int64(cfg.MaxConnsPerClient),
 		"--read-timeout": int64(cfg.ReadTimeout), "--write-timeout": int64(cfg.WriteTimeout), "--idle-timeout": int64(cfg.IdleTimeout),
 		"--upstream-connect-timeout": int64(cfg.UpstreamConnectTimeout), "--upstream-response-header-timeout": int64(cfg.UpstreamResponseHeaderTimeout),
 		"--upstream-idle-timeout": int64(cfg.UpstreamIdleTimeout)} {
 		if v <= 0 {
-			return cfg, fmt.Errorf("%s must be positive", name)
+			return fmt.Errorf("%s must be positive", name)
 		}
 	}
-	if configMap != "" {
-		ns, name, ok := strings.Cut(configMap, "/")
-		if !ok || ns == "" || name == "" {
-			return cfg, fmt.Errorf("--configmap %q: want NAMESPACE/NAME", configMap)
-		}
-		if kubeconfig == "" {
-			kubeconfig = os.Getenv("KUBECONFIG")
-		}
-		kube, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-		if err != nil {
-			return cfg, fmt.Errorf("--configmap: reach the API server: %w", err)
-		}
-		kube.UserAgent = "sluice-enforcer"
-		cfg.ConfigMap = &enforcer.ConfigMapSource{Namespace: ns, Name: name, Key: filepath.Base(cfg.PolicyFile), Kube: kube}
+	return nil
+}
+
+func (c *cmdline) configMapSource() error {
+	if c.configMap == "" {
+		return nil
 	}
-	if clockOffset != 0 {
-		cfg.Now = func() time.Time { return time.Now().Add(clockOffset) }
+	ns, name, ok := strings.Cut(c.configMap, "/")
+	if !ok || ns == "" || name == "" {
+		return fmt.Errorf("--configmap %q: want NAMESPACE/NAME", c.configMap)
 	}
-	if upstream != "" {
-		u, err := url.Parse(upstream)
+	kubeconfig := c.kubeconfig
+	if kubeconfig == "" {
+		kubeconfig = os.Getenv("KUBECONFIG")
+	}
+	kube, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return fmt.Errorf("--configmap: reach the API server: %w", err)
+	}
+	kube.UserAgent = "sluice-enforcer"
+	c.cfg.ConfigMap = &enforcer.ConfigMapSource{Namespace: ns, Name: name, Key: filepath.Base(c.cfg.PolicyFile), Kube: kube}
+	return nil
+}
+
+func (c *cmdline) upstreamURL() error {
+	if c.upstream != "" {
+		u, err := url.Parse(c.upstream)
 		if err != nil || u.Host == "" || !slices.Contains(enforcer.UpstreamSchemes, u.Scheme) {
-			return cfg, fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000, https://api:8443 or h2c://grpc:50051", upstream)
+			return fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000, https://api:8443 or h2c://grpc:50051", c.upstream)
 		}
-		cfg.Upstream = u
+		c.cfg.Upstream = u
 	}
-	if upCA != "" || upServerName != "" || upCert != "" || upKey != "" {
-		if cfg.Upstream == nil || cfg.Upstream.Scheme != "https" {
-			return cfg, errors.New("--upstream-ca-file, --upstream-server-name, --upstream-cert-file and --upstream-key-file need an https --upstream")
-		}
-		c, err := upstreamTLS(upCA, upServerName, upCert, upKey)
-		if err != nil {
-			return cfg, err
-		}
-		cfg.UpstreamTLS = c
+	if c.upCA == "" && c.upServerName == "" && c.upCert == "" && c.upKey == "" {
+		return nil
 	}
+	if c.cfg.Upstream == nil || c.cfg.Upstream.Scheme != "https" {
+		return errors.New("--upstream-ca-file, --upstream-server-name, --upstream-cert-file and --upstream-key-file need an https --upstream")
+	}
+	t, err := upstreamTLS(c.upCA, c.upServerName, c.upCert, c.upKey)
+	c.cfg.UpstreamTLS = t
+	return err
+}
+
+// redisStore is the Redis the flags name, if any: otherwise the memory store.
+func (c *cmdline) redisStore() error {
 	set := 0
-	for _, v := range []string{redisURL, cluster, sentinel} {
+	for _, v := range []string{c.redisURL, c.cluster, c.sentinel} {
 		if v != "" {
 			set++
 		}
 	}
 	if set > 1 {
-		return cfg, errors.New("--redis-url, --redis-cluster and --redis-sentinel exclude each other")
+		return errors.New("--redis-url, --redis-cluster and --redis-sentinel exclude each other")
 	}
-	opts := enforcer.RedisOptions{Timeout: timeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
-	if usernameFile != "" || passwordFile != "" {
-		username, password := opts.Username, opts.Password
+	opts := enforcer.RedisOptions{Timeout: c.cfg.RedisTimeout, Username: os.Getenv("REDIS_USERNAME"), Password: os.Getenv("REDIS_PASSWORD")}
+	if c.usernameFile != "" || c.passwordFile != "" {
+		username, password, usernameFile, passwordFile := opts.Username, opts.Password, c.usernameFile, c.passwordFile
 		opts.Credentials = func() (string, string) {
 			return fileOr(usernameFile, username), fileOr(passwordFile, password)
 		}
 	}
 	switch {
-	case redisURL != "":
-		u, err := redis.ParseURL(redisURL)
+	case c.redisURL != "":
+		u, err := redis.ParseURL(c.redisURL)
 		if err != nil {
-			return cfg, fmt.Errorf("--redis-url: %w", err)
+			return fmt.Errorf("--redis-url: %w", err)
 		}
 		opts.Mode, opts.Addrs, opts.DB, opts.TLS = v1alpha1.RedisStandalone, []string{u.Addr}, u.DB, u.TLSConfig
 		if u.Username != "" || u.Password != "" {
 			opts.Username, opts.Password = u.Username, u.Password
 		}
-	case cluster != "":
-		opts.Mode, opts.Addrs = v1alpha1.RedisCluster, strings.Split(cluster, ",")
-	case sentinel != "":
-		if master == "" {
-			return cfg, errors.New("--redis-sentinel needs --redis-master")
+	case c.cluster != "":
+		opts.Mode, opts.Addrs = v1alpha1.RedisCluster, strings.Split(c.cluster, ",")
+	case c.sentinel != "":
+		if c.master == "" {
+			return errors.New("--redis-sentinel needs --redis-master")
 		}
-		opts.Mode, opts.Addrs, opts.MasterName = v1alpha1.RedisSentinel, strings.Split(sentinel, ","), master
+		opts.Mode, opts.Addrs, opts.MasterName = v1alpha1.RedisSentinel, strings.Split(c.sentinel, ","), c.master
 	default:
-		return cfg, nil // memory store
+		return nil // memory store
 	}
-	if useTLS || caFile != "" || serverName != "" {
-		tlsConfig, err := redisTLS(caFile, serverName)
+	if c.useTLS || c.caFile != "" || c.serverName != "" {
+		tlsConfig, err := redisTLS(c.caFile, c.serverName)
 		if err != nil {
-			return cfg, err
+			return err
 		}
 		opts.TLS = tlsConfig
 	}
-	cfg.Redis = &opts
-	return cfg, nil
+	c.cfg.Redis = &opts
+	return nil
 }
 
 // quiet discards go-redis's own log lines.

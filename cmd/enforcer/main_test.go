@@ -13,10 +13,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/settings"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
-	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // decide parses the flags and runs an enforcer with the Redis store they describe and a policy
@@ -48,7 +51,7 @@ func decide(t *testing.T, flags ...string) (int, error) {
 	// The store's health as the report gives it, once a ping has ended in more than a timeout (the
 	// first ping has a second; the next come every two).
 	var r report.Report
-	testenv.WaitFor(t, 15*time.Second, func() error {
+	poll.WaitFor(t, 15*time.Second, func() error {
 		if err := getJSON("http://"+e.AdminAddr+report.Path, &r); err != nil {
 			return err
 		}
@@ -185,5 +188,26 @@ func TestFlagsWhenTheUpstreamIsGivenThenOnlyWorkableCombinationsAreTaken(t *test
 				t.Errorf("%v, want an error naming %s", err, c.wantErr)
 			}
 		})
+	}
+}
+
+// Every setting the flags leave alone is the default the enforcer itself would give a zero
+// field, from the one place both read (internal/settings), and the proxy, check API and admin
+// addresses are the ports the manager renders.
+func TestFlagsWhenNoneIsGivenThenEverySettingIsTheSettingsDefault(t *testing.T) {
+	cfg, err := parse([]string{"--policy=p.yaml", "--upstream=http://api:80"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(settings.Defaults(), cfg.Enforcer); diff != "" {
+		t.Errorf("settings from flags (-settings.Defaults +parsed):\n%s", diff)
+	}
+	if diff := cmp.Diff(settings.Defaults(), settings.Enforcer{ShutdownDelay: settings.Defaults().ShutdownDelay}.WithDefaults()); diff != "" {
+		t.Errorf("WithDefaults of a zero Enforcer (-settings.Defaults +filled):\n%s", diff)
+	}
+	for addr, port := range map[string]int{cfg.Listen: settings.ProxyPort, cfg.CheckListen: settings.CheckPort, cfg.AdminListen: settings.AdminPort} {
+		if addr != ":"+strconv.Itoa(port) {
+			t.Errorf("address %q, want :%d", addr, port)
+		}
 	}
 }

@@ -27,14 +27,16 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
-// Ports of the enforcer container and Service.
+// Ports of the enforcer container and Service (the enforcer's own, from settings), and of a
+// managed Redis.
 const (
-	ProxyPort = 8080
-	CheckPort = 8081
-	RLSPort   = 8082
-	AdminPort = 9090
+	ProxyPort = settings.ProxyPort
+	CheckPort = settings.CheckPort
+	RLSPort   = settings.RLSPort
+	AdminPort = settings.AdminPort
 	RedisPort = 6379
 )
 
@@ -52,14 +54,14 @@ const (
 	upstreamClientDir = "/etc/sluice-upstream-client"
 )
 
-// The enforcer's stop on SIGTERM: it serves on with /readyz failing for shutdownDelay, while
-// endpoints drop the pod, then drains for up to shutdownTimeout. The pod's grace period covers
-// both, with a margin, so the kubelet never kills a drain that keeps its promise.
-const (
-	shutdownDelay   = 5 * time.Second
-	shutdownTimeout = 30 * time.Second
-	gracePeriod     = shutdownDelay + shutdownTimeout + 5*time.Second
-)
+// gracePeriod is the enforcer pod's: its stop on SIGTERM serves on with /readyz failing for
+// the shutdown delay, while endpoints drop the pod, then drains for up to the shutdown timeout.
+// The grace period covers both, with a margin, so the kubelet never kills a drain that keeps its
+// promise.
+func gracePeriod() time.Duration {
+	d := settings.Defaults()
+	return d.ShutdownDelay + d.ShutdownTimeout + 5*time.Second
+}
 
 // Annotations and labels.
 const (
@@ -285,14 +287,59 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	}
 	o := &Objects{Revision: report.Revision(config)}
 	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice"}
+	o.ServiceAccount, o.Role, o.RoleBinding = identity(p, name, labels)
+	o.ConfigMap = &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
+		Data:       map[string]string{configKey: string(config)},
+	}
+	pod := enforcerPod(p, name)
+	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
+		redisName := RedisName(name)
+		pod.args = append(pod.args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort),
+			"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
+		pod.mount("redis-credentials", redisName, redisCredentialsDir, corev1.KeyToPath{Key: RedisPasswordKey, Path: RedisPasswordKey})
+		o.RedisDeployment, o.RedisService, o.RedisPDB = managedRedis(p, s.ManagedRedis, redisName, d)
+		if d.NetworkPolicy != nil {
+			o.RedisNetworkPolicy = redisNetworkPolicy(p, redisName, o.RedisDeployment)
+		}
+	}
+	rls := ServesRLS(p)
+	podLabels := PodLabels(p)
+	o.Deployment = enforcerDeployment(p, d, name, labels, o.Revision, pod, rls)
+	o.Service = &corev1.Service{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
+		ObjectMeta: meta(p, name, labels, nil),
+		Spec: corev1.ServiceSpec{
+			Selector: podLabels,
+			Ports:    servicePorts(rls),
+		},
+	}
+	if d.NetworkPolicy != nil {
+		o.NetworkPolicy = enforcerNetworkPolicy(p, name, labels, rls, d.NetworkPolicy)
+	}
+	if Replicas(p) > 1 {
+		o.PDB = &policyv1.PodDisruptionBudget{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+			ObjectMeta: meta(p, name, labels, nil),
+			Spec: policyv1.PodDisruptionBudgetSpec{
+				MaxUnavailable: ptr.To(intstr.FromInt32(1)),
+				Selector:       &metav1.LabelSelector{MatchLabels: podLabels},
+			},
+		}
+	}
+	return o, nil
+}
 
-	// The enforcer watches its ConfigMap through the API server and may read nothing else.
-	o.ServiceAccount = &corev1.ServiceAccount{
+// identity is the enforcer's: it watches its ConfigMap through the API server and may read
+// nothing else.
+func identity(p *v1alpha1.RateLimitPolicy, name string, labels map[string]string) (*corev1.ServiceAccount, *rbacv1.Role, *rbacv1.RoleBinding) {
+	sa := &corev1.ServiceAccount{
 		TypeMeta:                     metav1.TypeMeta{APIVersion: "v1", Kind: "ServiceAccount"},
 		ObjectMeta:                   meta(p, name, labels, nil),
 		AutomountServiceAccountToken: ptr.To(false),
 	}
-	o.Role = &rbacv1.Role{
+	role := &rbacv1.Role{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "Role"},
 		ObjectMeta: meta(p, name, labels, nil),
 		Rules: []rbacv1.PolicyRule{{
@@ -300,52 +347,48 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			Verbs: []string{"get", "list", "watch"},
 		}},
 	}
-	o.RoleBinding = &rbacv1.RoleBinding{
+	binding := &rbacv1.RoleBinding{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "RoleBinding"},
 		ObjectMeta: meta(p, name, labels, nil),
 		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name},
 		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: p.Namespace, Name: name}},
 	}
-	o.ConfigMap = &corev1.ConfigMap{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
-		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
-		Data:       map[string]string{configKey: string(config)},
-	}
+	return sa, role, binding
+}
 
-	args := []string{
+// pod is the enforcer container's arguments and the Secrets it mounts.
+type pod struct {
+	args    []string
+	volumes []corev1.Volume
+	mounts  []corev1.VolumeMount
+}
+
+// mount mounts the items of a Secret read-only at dir, as the volume named so.
+func (c *pod) mount(volume, secret, dir string, items ...corev1.KeyToPath) {
+	c.volumes = append(c.volumes, corev1.Volume{Name: volume, VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+		SecretName: secret, Items: items,
+	}}})
+	c.mounts = append(c.mounts, corev1.VolumeMount{Name: volume, MountPath: dir, ReadOnly: true})
+}
+
+// enforcerPod is what the policy says to its enforcers: their servers, upstream, its TLS and
+// timeouts, and the Redis of the user's.
+func enforcerPod(p *v1alpha1.RateLimitPolicy, name string) *pod {
+	c := &pod{args: []string{
 		"--policy=" + PolicyFile,
 		upstreamArg(p),
 		fmt.Sprintf("--listen=:%d", ProxyPort),
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
 		fmt.Sprintf("--admin-listen=:%d", AdminPort),
-		"--shutdown-delay=" + shutdownDelay.String(),
-		"--shutdown-timeout=" + shutdownTimeout.String(),
+		"--shutdown-delay=" + settings.Defaults().ShutdownDelay.String(),
+		"--shutdown-timeout=" + settings.Defaults().ShutdownTimeout.String(),
 		"--configmap=" + p.Namespace + "/" + name,
+	}}
+	if ServesRLS(p) {
+		c.args = append(c.args, fmt.Sprintf("--rls-listen=:%d", RLSPort))
 	}
-	rls := ServesRLS(p)
-	if rls {
-		args = append(args, fmt.Sprintf("--rls-listen=:%d", RLSPort))
-	}
-	var volumes []corev1.Volume
-	mounts := []corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}
 	if t := p.Spec.TargetRef.TLS; t != nil && p.Spec.TargetRef.AppProtocol == v1alpha1.AppProtocolHTTPS {
-		if t.ServerName != "" {
-			args = append(args, "--upstream-server-name="+t.ServerName)
-		}
-		if ref := t.CASecretRef; ref != nil {
-			volumes = append(volumes, corev1.Volume{Name: "upstream-ca", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-				SecretName: ref.Name, Items: []corev1.KeyToPath{{Key: ref.Key, Path: "ca.crt"}},
-			}}})
-			mounts = append(mounts, corev1.VolumeMount{Name: "upstream-ca", MountPath: upstreamCADir, ReadOnly: true})
-			args = append(args, "--upstream-ca-file="+upstreamCADir+"/ca.crt")
-		}
-		if ref := t.ClientCertificateSecretRef; ref != nil {
-			volumes = append(volumes, corev1.Volume{Name: "upstream-client", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-				SecretName: ref.Name, Items: []corev1.KeyToPath{{Key: corev1.TLSCertKey, Path: corev1.TLSCertKey}, {Key: corev1.TLSPrivateKeyKey, Path: corev1.TLSPrivateKeyKey}},
-			}}})
-			mounts = append(mounts, corev1.VolumeMount{Name: "upstream-client", MountPath: upstreamClientDir, ReadOnly: true})
-			args = append(args, "--upstream-cert-file="+upstreamClientDir+"/"+corev1.TLSCertKey, "--upstream-key-file="+upstreamClientDir+"/"+corev1.TLSPrivateKeyKey)
-		}
+		c.upstreamTLS(t)
 	}
 	if t := p.Spec.TargetRef.Timeouts; t != nil {
 		for _, f := range []struct {
@@ -353,64 +396,74 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 			d    *v1alpha1.Duration
 		}{{"--upstream-connect-timeout", t.Connect}, {"--upstream-response-header-timeout", t.ResponseHeader}, {"--upstream-idle-timeout", t.Idle}} {
 			if f.d != nil {
-				args = append(args, f.flag+"="+string(*f.d))
+				c.args = append(c.args, f.flag+"="+string(*f.d))
 			}
 		}
 	}
 	if s := p.Spec.Storage; s != nil && s.Redis != nil {
-		args = append(args, redisArgs(s.Redis)...)
-		if t := s.Redis.TLS; t != nil && t.CASecretRef != nil {
-			volumes = append(volumes, corev1.Volume{Name: "redis-ca", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-				SecretName: t.CASecretRef.Name, Items: []corev1.KeyToPath{{Key: t.CASecretRef.Key, Path: "ca.crt"}},
-			}}})
-			mounts = append(mounts, corev1.VolumeMount{Name: "redis-ca", MountPath: redisCADir, ReadOnly: true})
-			args = append(args, "--redis-ca-file="+redisCADir+"/ca.crt")
-		}
-		if ref := s.Redis.CredentialsSecretRef; ref != nil {
-			// Mounted rather than passed as environment: the kubelet updates a mounted Secret,
-			// and the enforcer reads the files at every new connection, so a fixed or rotated
-			// password takes effect without a restart.
-			key := ref.PasswordKey
-			if key == "" {
-				key = v1alpha1.DefaultPasswordKey
-			}
-			items := []corev1.KeyToPath{{Key: key, Path: "password"}}
-			args = append(args, "--redis-password-file="+redisCredentialsDir+"/password")
-			if ref.UsernameKey != "" {
-				items = append(items, corev1.KeyToPath{Key: ref.UsernameKey, Path: "username"})
-				args = append(args, "--redis-username-file="+redisCredentialsDir+"/username")
-			}
-			volumes = append(volumes, corev1.Volume{Name: "redis-credentials", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-				SecretName: ref.Name, Items: items,
-			}}})
-			mounts = append(mounts, corev1.VolumeMount{Name: "redis-credentials", MountPath: redisCredentialsDir, ReadOnly: true})
-		}
+		c.redis(s.Redis)
 	}
-	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
-		redisName := RedisName(name)
-		args = append(args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort),
-			"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
-		volumes = append(volumes, corev1.Volume{Name: "redis-credentials", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-			SecretName: redisName, Items: []corev1.KeyToPath{{Key: RedisPasswordKey, Path: RedisPasswordKey}},
-		}}})
-		mounts = append(mounts, corev1.VolumeMount{Name: "redis-credentials", MountPath: redisCredentialsDir, ReadOnly: true})
-		o.RedisDeployment, o.RedisService, o.RedisPDB = managedRedis(p, s.ManagedRedis, redisName, d)
-		if d.NetworkPolicy != nil {
-			o.RedisNetworkPolicy = &networkingv1.NetworkPolicy{
-				TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
-				ObjectMeta: meta(p, redisName, o.RedisDeployment.Labels, nil),
-				Spec: networkingv1.NetworkPolicySpec{
-					PodSelector: *o.RedisDeployment.Spec.Selector.DeepCopy(),
-					PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
-					Ingress: []networkingv1.NetworkPolicyIngressRule{{
-						Ports: tcpPorts(RedisPort),
-						From:  []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}},
-					}},
-				},
-			}
-		}
-	}
+	return c
+}
 
+func (c *pod) upstreamTLS(t *v1alpha1.TargetTLS) {
+	if t.ServerName != "" {
+		c.args = append(c.args, "--upstream-server-name="+t.ServerName)
+	}
+	if ref := t.CASecretRef; ref != nil {
+		c.mount("upstream-ca", ref.Name, upstreamCADir, corev1.KeyToPath{Key: ref.Key, Path: "ca.crt"})
+		c.args = append(c.args, "--upstream-ca-file="+upstreamCADir+"/ca.crt")
+	}
+	if ref := t.ClientCertificateSecretRef; ref != nil {
+		c.mount("upstream-client", ref.Name, upstreamClientDir,
+			corev1.KeyToPath{Key: corev1.TLSCertKey, Path: corev1.TLSCertKey}, corev1.KeyToPath{Key: corev1.TLSPrivateKeyKey, Path: corev1.TLSPrivateKeyKey})
+		c.args = append(c.args, "--upstream-cert-file="+upstreamClientDir+"/"+corev1.TLSCertKey, "--upstream-key-file="+upstreamClientDir+"/"+corev1.TLSPrivateKeyKey)
+	}
+}
+
+func (c *pod) redis(r *v1alpha1.RedisStorage) {
+	c.args = append(c.args, redisArgs(r)...)
+	if t := r.TLS; t != nil && t.CASecretRef != nil {
+		c.mount("redis-ca", t.CASecretRef.Name, redisCADir, corev1.KeyToPath{Key: t.CASecretRef.Key, Path: "ca.crt"})
+		c.args = append(c.args, "--redis-ca-file="+redisCADir+"/ca.crt")
+	}
+	if ref := r.CredentialsSecretRef; ref != nil {
+		// Mounted rather than passed as environment: the kubelet updates a mounted Secret, and
+		// the enforcer reads the files at every new connection, so a fixed or rotated password
+		// takes effect without a restart.
+		key := ref.PasswordKey
+		if key == "" {
+			key = v1alpha1.DefaultPasswordKey
+		}
+		items := []corev1.KeyToPath{{Key: key, Path: "password"}}
+		c.args = append(c.args, "--redis-password-file="+redisCredentialsDir+"/password")
+		if ref.UsernameKey != "" {
+			items = append(items, corev1.KeyToPath{Key: ref.UsernameKey, Path: "username"})
+			c.args = append(c.args, "--redis-username-file="+redisCredentialsDir+"/username")
+		}
+		c.mount("redis-credentials", ref.Name, redisCredentialsDir, items...)
+	}
+}
+
+// redisNetworkPolicy admits the policy's enforcer pods alone to its managed Redis.
+func redisNetworkPolicy(p *v1alpha1.RateLimitPolicy, redisName string, redis *appsv1.Deployment) *networkingv1.NetworkPolicy {
+	return &networkingv1.NetworkPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
+		ObjectMeta: meta(p, redisName, redis.Labels, nil),
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: *redis.Spec.Selector.DeepCopy(),
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{{
+				Ports: tcpPorts(RedisPort),
+				From:  []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}},
+			}},
+		},
+	}
+}
+
+// enforcerDeployment runs the enforcer pods: rolled one extra pod at a time, never one fewer,
+// spread over nodes.
+func enforcerDeployment(p *v1alpha1.RateLimitPolicy, d Defaults, name string, labels map[string]string, revision string, c *pod, rls bool) *appsv1.Deployment {
 	image := d.EnforcerImage
 	if e := p.Spec.Enforcer; e != nil && e.Image != "" {
 		image = e.Image
@@ -422,13 +475,12 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 	if e := p.Spec.Enforcer; e != nil && e.Resources != nil {
 		resources = *e.Resources
 	}
-	replicas := Replicas(p)
 	podLabels := PodLabels(p)
-	o.Deployment = &appsv1.Deployment{
+	return &appsv1.Deployment{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
-		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
+		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: revision}),
 		Spec: appsv1.DeploymentSpec{
-			Replicas: ptr.To(replicas),
+			Replicas: ptr.To(Replicas(p)),
 			Selector: &metav1.LabelSelector{MatchLabels: podLabels},
 			Strategy: appsv1.DeploymentStrategy{
 				Type: appsv1.RollingUpdateDeploymentStrategyType,
@@ -445,7 +497,7 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 					// The token lets the enforcer watch its ConfigMap, all its Role allows.
 					ServiceAccountName:            name,
 					AutomountServiceAccountToken:  ptr.To(true),
-					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod / time.Second)),
+					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod() / time.Second)),
 					SecurityContext:               restrictedPod(),
 					TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{
 						MaxSkew:           1,
@@ -456,44 +508,22 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 					Containers: []corev1.Container{{
 						Name:            "enforcer",
 						Image:           image,
-						Args:            args,
+						Args:            c.args,
 						Ports:           containerPorts(rls),
 						ReadinessProbe:  probe("/readyz", 5),
 						LivenessProbe:   probe("/healthz", 10),
 						Resources:       resources,
 						SecurityContext: restrictedContainer(),
-						VolumeMounts:    mounts,
+						VolumeMounts:    append([]corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}, c.mounts...),
 					}},
 					Volumes: append([]corev1.Volume{{
 						Name:         "config",
 						VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{LocalObjectReference: corev1.LocalObjectReference{Name: name}}},
-					}}, volumes...),
+					}}, c.volumes...),
 				},
 			},
 		},
 	}
-	o.Service = &corev1.Service{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
-		ObjectMeta: meta(p, name, labels, nil),
-		Spec: corev1.ServiceSpec{
-			Selector: podLabels,
-			Ports:    servicePorts(rls),
-		},
-	}
-	if d.NetworkPolicy != nil {
-		o.NetworkPolicy = enforcerNetworkPolicy(p, name, labels, rls, d.NetworkPolicy)
-	}
-	if replicas > 1 {
-		o.PDB = &policyv1.PodDisruptionBudget{
-			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
-			ObjectMeta: meta(p, name, labels, nil),
-			Spec: policyv1.PodDisruptionBudgetSpec{
-				MaxUnavailable: ptr.To(intstr.FromInt32(1)),
-				Selector:       &metav1.LabelSelector{MatchLabels: podLabels},
-			},
-		}
-	}
-	return o, nil
 }
 
 // NamespaceNameLabel is the label the API server sets on every namespace to its name, which

@@ -33,6 +33,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 )
@@ -572,21 +573,17 @@ func kubectl(args []string, extra ...string) (string, error) {
 
 func waitEstablished(t *testing.T, crd *apiextensionsv1.CustomResourceDefinition) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		err := k8s.Get(context.Background(), client.ObjectKey{Name: "ratelimitpolicies.ratelimit.sluice.dev"}, crd)
-		if err == nil {
-			for _, c := range crd.Status.Conditions {
-				if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
-					return
-				}
+	poll.WaitFor(t, 30*time.Second, func() error {
+		if err := k8s.Get(context.Background(), client.ObjectKey{Name: "ratelimitpolicies.ratelimit.sluice.dev"}, crd); err != nil {
+			return err
+		}
+		for _, c := range crd.Status.Conditions {
+			if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
+				return nil
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the CRD is not established: %v %+v", err, crd.Status.Conditions)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return fmt.Errorf("the CRD is not established: %+v", crd.Status.Conditions)
+	})
 }
 
 func releaseNames(t *testing.T, ns string) []string {

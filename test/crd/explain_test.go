@@ -1,8 +1,6 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // kubectl explain prints the CRD's field docs, the API's doc comments: they must say what the
@@ -28,12 +28,13 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 		// The API server publishes a new CRD's OpenAPI a moment after the CRD is established.
 		var out []byte
 		var err error
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		_ = poll.Until(30*time.Second, func() error {
 			out, err = exec.Command(env.Kubectl(), "--kubeconfig", kubeconfig, "explain", field).CombinedOutput()
-			if err == nil || !strings.Contains(string(out), "couldn't find resource") || time.Now().After(deadline) {
-				break
+			if err == nil || !strings.Contains(string(out), "couldn't find resource") {
+				return nil
 			}
-		}
+			return err
+		}) // on a timeout, the last answer fails the test below
 		if err != nil {
 			t.Fatalf("kubectl explain %s: %v\n%s", field, err, out)
 		}

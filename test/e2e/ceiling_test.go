@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,20 +13,24 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/apiutil"
-	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -35,8 +40,9 @@ import (
 //
 //   - ceiling-apply: no manager; 64 workers of a bare, unthrottled client create each policy's
 //     Service and policy, then server-side apply the objects the controller renders for it
-//     (render.Enforcer, the manager's field owner) and write its Programmed condition: the
-//     manager's writes with none of its reads, caches, queue or webhook;
+//     (render.Enforcer with the manager's default NetworkPolicy, the manager's field owner) and
+//     write its Programmed condition: the manager's writes with none of its reads, caches, queue
+//     or webhook;
 //
 //   - ceiling-create: the same with a create for each object instead of an apply, the cheaper
 //     write for the API server;
@@ -53,7 +59,7 @@ func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
 	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
 		n = v
 	}
-	ctrllog.SetLogger(logr.Discard()) // the bare clients' warnings, which no one reads here
+	logf.SetLogger(logr.Discard()) // the bare clients' warnings, which no one reads here
 	for b.Loop() {
 		for _, create := range []bool{false, true} {
 			env, err := testenv.Start(testenv.WithControllers())
@@ -85,7 +91,7 @@ func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
 		start := time.Now()
 		populateWith(b, k8s, ns, n, bareWorkers)
 		created := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		b.ReportMetric(time.Since(start).Seconds(), "s-manager")
 		b.ReportMetric(created.Seconds(), "s-manager-all-created")
 		mgr.Stop()
@@ -111,7 +117,8 @@ func programBare(b *testing.B, k8s client.Client, ns string, n int, create bool)
 					b.Error(err)
 					return
 				}
-				objs, err := render.Enforcer(p, render.Defaults{EnforcerImage: "sluice-enforcer:bench", RedisImage: "redis:bench"})
+				objs, err := render.Enforcer(p, render.Defaults{EnforcerImage: "sluice-enforcer:bench", RedisImage: "redis:bench",
+					NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: local.Namespace}})
 				if err != nil {
 					b.Error(err)
 					return
@@ -144,7 +151,7 @@ func writeBare(ctx context.Context, k8s client.Client, o client.Object, create b
 	if create {
 		return k8s.Create(ctx, o)
 	}
-	gvk, err := apiutil.GVKForObject(o, scheme.Scheme)
+	gvk, err := apiutil.GVKForObject(o, clientgoscheme.Scheme)
 	if err != nil {
 		return err
 	}
@@ -164,7 +171,7 @@ func unthrottledClient(t testing.TB, cfg *rest.Config) client.Client {
 	t.Helper()
 	cfg = rest.CopyConfig(cfg)
 	cfg.QPS, cfg.Burst = -1, 0
-	k8s, err := client.New(cfg, client.Options{Scheme: scheme.Scheme})
+	k8s, err := client.New(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,3 +199,99 @@ func allProgrammed(k8s client.Client, ns string, n int) error {
 // bareWorkers is how many policies programBare programs at once: enough writes in flight to
 // keep the API server busy (the manager has up to 16 workers of up to 4 concurrent applies).
 const bareWorkers = 64
+
+// BenchmarkEnforcersStartCeiling measures the floor under BenchmarkPoliciesReachReady's
+// s-to-all-ready on this machine: how long SLUICE_BENCH_POLICIES enforcers (default 100) take to
+// start and become ready with the stand-in kubelet alone, no manager. On a control plane with
+// kube-controller-manager and no webhook, bareWorkers workers of a bare, unthrottled client create
+// each policy and its Service and apply the objects the controller renders for it (as
+// ceiling-apply does); kube-controller-manager makes the ReplicaSets and pods, and the stand-in
+// kubelet runs one enforcer process per pod, as in BenchmarkPoliciesReachReady. Reported: when
+// every object was written (s-written), when every pod was Ready (s-to-all-pods-ready), and when
+// the Deployment controller counted every Deployment available (s-to-all-available), which a
+// policy's Ready condition waits for too; all from the first create. Issue 27 holds Ready to this
+// ceiling plus 20 s. With SLUICE_BENCH_PROFILE=<dir> it writes the API server's metrics at the end
+// into dir (apiserver-metrics.txt), as BenchmarkPoliciesReachReady does.
+//
+//	SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench EnforcersStartCeiling -benchtime 1x -timeout 60m ./test/e2e/
+func BenchmarkEnforcersStartCeiling(b *testing.B) {
+	n := 100
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
+		n = v
+	}
+	logf.SetLogger(logr.Discard())
+	for b.Loop() {
+		ctx := context.Background()
+		env, err := testenv.Start(testenv.WithControllers())
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _ = env.Stop() })
+		enforcerBin, err := local.BuildCmd(ctx, b.TempDir(), "enforcer")
+		if err != nil {
+			b.Fatal(err)
+		}
+		k8s := unthrottledClient(b, env.Config)
+		ns := makeNamespace(b, k8s, "start-")
+		upstream := okUpstream(b)
+		kubelet, err := local.StartKubelet(ctx, env.Client, env.Config, enforcerBin,
+			local.KubeletOptions{Namespace: ns, Upstream: upstream.URL, Dir: b.TempDir(), Log: &local.Output{}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(kubelet.Stop)
+		start := time.Now()
+		programBare(b, k8s, ns, n, false)
+		written := time.Since(start)
+		poll.WaitFor(b, 30*time.Minute, func() error { return allPodsReady(k8s, ns, n) })
+		podsReady := time.Since(start)
+		poll.WaitFor(b, 30*time.Minute, func() error { return allAvailable(k8s, ns, n) })
+		if dir := os.Getenv("SLUICE_BENCH_PROFILE"); dir != "" {
+			saveAPIServerMetrics(b, env.Config, filepath.Join(dir, "apiserver-metrics.txt"))
+		}
+		b.ReportMetric(written.Seconds(), "s-written")
+		b.ReportMetric(podsReady.Seconds(), "s-to-all-pods-ready")
+		b.ReportMetric(time.Since(start).Seconds(), "s-to-all-available")
+	}
+}
+
+// allAvailable reports an error until ns holds n Deployments that the Deployment controller
+// counts rolled out and available, as a policy's Ready condition asks.
+func allAvailable(k8s client.Client, ns string, n int) error {
+	var deps appsv1.DeploymentList
+	if err := k8s.List(context.Background(), &deps, client.InNamespace(ns)); err != nil {
+		return err
+	}
+	done := 0
+	for _, d := range deps.Items {
+		want := ptr.Deref(d.Spec.Replicas, 1)
+		if d.Status.ObservedGeneration >= d.Generation && d.Status.UpdatedReplicas == want && d.Status.AvailableReplicas >= want && d.Status.Replicas == want {
+			done++
+		}
+	}
+	if done != n {
+		return fmt.Errorf("%d of %d Deployments available", done, n)
+	}
+	return nil
+}
+
+// allPodsReady reports an error until ns holds n enforcer pods, all Ready.
+func allPodsReady(k8s client.Client, ns string, n int) error {
+	var pods corev1.PodList
+	if err := k8s.List(context.Background(), &pods, client.InNamespace(ns),
+		client.MatchingLabels{render.EnforcerPodLabelKey: render.EnforcerPodLabelValue}); err != nil {
+		return err
+	}
+	ready := 0
+	for _, p := range pods.Items {
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue && p.DeletionTimestamp == nil {
+				ready++
+			}
+		}
+	}
+	if ready != n {
+		return fmt.Errorf("%d of %d enforcer pods Ready", ready, n)
+	}
+	return nil
+}

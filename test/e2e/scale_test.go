@@ -17,23 +17,29 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
-// After settling, 200 idle policies cause no writes and no applies: the manager reads their
-// replicas' reports every interval (its default, 10s) and writes only what changed. 190 policies
-// have pods that no kubelet runs, as on a cluster short of nodes; 10 have enforcers that run and
-// report. The writes of every kind the manager writes are counted through watches for 40 s, four
-// report intervals, and the manager's own metrics show it kept reconciling meanwhile, and sent no
-// apply. The thousand-policy run of the same test is in the benchmark tier (make bench).
+// After settling, 200 idle policies cause no writes, no applies and no reconciles: the manager
+// reads their replicas' reports every interval (its default, 10s) and brings a policy to the
+// reconciler only when a report changed. 190 policies have pods that no kubelet runs, as on a
+// cluster short of nodes; 10 have enforcers that run and report. The writes of every kind the
+// manager writes are counted through watches for 40 s, four report intervals, and the manager's
+// own metrics show it kept reading every report meanwhile, sent no apply, and reconciled fewer
+// times than once per policy. The thousand-policy run of the same test is in the benchmark tier
+// (make bench).
 func TestStatusWhenPoliciesIdleThenNothingIsWrittenOrApplied(t *testing.T) {
 	idlePolicies(t, 10, 190, 40*time.Second)
 }
@@ -41,6 +47,7 @@ func TestStatusWhenPoliciesIdleThenNothingIsWrittenOrApplied(t *testing.T) {
 // idlePolicies creates running policies whose enforcers run and pending ones whose pods wait for
 // a node, waits until they settle, then counts the manager's writes and applies for d: none.
 func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
+	t.Helper()
 	ctx := context.Background()
 	c := startCluster(t)
 	logs := newProcessLog(t)
@@ -62,7 +69,7 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 
 	// Settled: every policy Programmed at its generation, the running ones Ready, and no policy
 	// written for three intervals.
-	waitFor(t, 10*time.Minute, func() error {
+	poll.WaitFor(t, 10*time.Minute, func() error {
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(ctx, &list); err != nil {
 			return err
@@ -85,21 +92,28 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 	quietFor(t, k8s, 30*time.Second, 5*time.Minute)
 	t.Logf("settled %v after the first create", time.Since(created).Round(time.Second))
 
-	const reconciles, applies = `controller_runtime_reconcile_total{controller="ratelimitpolicy"`, "sluice_manager_applies_total{"
-	reconciledBefore, appliedBefore := scrapeSum(t, metricsAddr, reconciles), scrapeSum(t, metricsAddr, applies)
+	const reconciles, applies, reads = `controller_runtime_reconcile_total{controller="ratelimitpolicy"`, "sluice_manager_applies_total{",
+		"sluice_manager_report_reads_total"
+	reconciledBefore, appliedBefore, readBefore := scrapeSum(t, metricsAddr, reconciles), scrapeSum(t, metricsAddr, applies), scrapeSum(t, metricsAddr, reads)
 	writes := countWrites(t, k8s, d)
 	reconciled, applied := scrapeSum(t, metricsAddr, reconciles)-reconciledBefore, scrapeSum(t, metricsAddr, applies)-appliedBefore
+	read := scrapeSum(t, metricsAddr, reads) - readBefore
 	if len(writes) > 0 {
 		t.Errorf("writes in %v of %d idle policies: %v, want none", d, total, writes)
 	}
 	if applied > 0 {
-		t.Errorf("%v applies in %v of %d idle policies, want none: a report-only reconcile applied", applied, d, total)
+		t.Errorf("%v applies in %v of %d idle policies, want none: a report-only tick applied", applied, d, total)
 	}
-	// Every policy is read again each interval; at least half the rounds must have run.
-	if rounds := int(d / (10 * time.Second)); reconciled < float64(total*rounds/2) {
-		t.Errorf("%v reconciles in %v, want at least %d: the manager stopped reading reports", reconciled, d, total*rounds/2)
+	// Every running replica is read again each interval; at least half the rounds must have run.
+	// The pending ones have no address to read.
+	rounds := int(d / (10 * time.Second))
+	if read < float64(running*rounds/2) {
+		t.Errorf("%v report reads in %v, want at least %d: the manager stopped reading reports", read, d, running*rounds/2)
 	}
-	t.Logf("%v of %d idle policies: %v reconciles, 0 writes, 0 applies", d, total, reconciled)
+	if reconciled >= float64(total) {
+		t.Errorf("%v reconciles in %v of %d idle policies, want fewer than one per policy: report-only ticks reconciled", reconciled, d, total)
+	}
+	t.Logf("%v of %d idle policies: %v report reads, %v reconciles, 0 writes, 0 applies", d, total, read, reconciled)
 }
 
 func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
@@ -112,7 +126,10 @@ func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
 }
 
 // populate creates n memory-storage policies, each in front of a Service of its own, 8 at a time.
-func populate(t testing.TB, k8s client.Client, ns string, n int) { populateWith(t, k8s, ns, n, 8) }
+func populate(t testing.TB, k8s client.Client, ns string, n int) {
+	t.Helper()
+	populateWith(t, k8s, ns, n, 8)
+}
 
 // benchPolicy is the i-th policy of the benchmarks, with the Service it fronts: memory storage,
 // one rule.
@@ -154,9 +171,11 @@ func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 	}
 }
 
-// watched are the kinds the manager writes, counted by countWrites.
+// watched are the kinds the manager writes, counted by countWrites: every kind render.Objects
+// holds, and the policies' status.
 var watched = []client.ObjectList{&v1alpha1.RateLimitPolicyList{}, &corev1.ConfigMapList{}, &corev1.ServiceList{}, &appsv1.DeploymentList{},
-	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}}
+	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}, &networkingv1.NetworkPolicyList{},
+	&policyv1.PodDisruptionBudgetList{}, &corev1.SecretList{}}
 
 // countWrites watches every kind the manager writes for d and returns the writes seen, as
 // "<kind> <namespace>/<name> <event>" with their counts.
@@ -262,15 +281,23 @@ func scrapeSum(t testing.TB, addr, prefix string) float64 {
 // policy waited from its creation to Programmed and to Ready. Each enforcer process
 // holds about 15 MB: a thousand need about 16 GB.
 //
+// The policies are created by SLUICE_BENCH_CREATORS clients at once (default 8; the ceilings of
+// ceiling_test.go use 64), and s-all-created is when the last was admitted.
+//
 // With SLUICE_BENCH_PROFILE=<dir> it writes the manager's CPU profiles of the first 60 s after
-// the first create (rollout.pprof) and of the steady minute (steady.pprof), and its heap at
-// steady state (heap.pprof), into dir.
+// the first create (rollout.pprof) and of the steady minute (steady.pprof), its heap at steady
+// state (heap.pprof), and the API server's metrics then (apiserver-metrics.txt: every request of
+// the run by resource and verb), into dir.
 //
 //	SLUICE_BENCH_POLICIES=1000 go test -run '^$' -bench PoliciesReachReady -benchtime 1x -timeout 60m ./test/e2e/
 func BenchmarkPoliciesReachReady(b *testing.B) {
 	n := 100
 	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
 		n = v
+	}
+	creators := 8
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_CREATORS")); err == nil && v > 0 {
+		creators = v
 	}
 	for b.Loop() {
 		ctx := context.Background()
@@ -308,9 +335,10 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		}
 		start := time.Now()
 		profile("rollout.pprof", "/debug/pprof/profile?seconds=60")
-		populate(b, k8s, ns, n)
+		populateWith(b, k8s, ns, n, creators)
+		created := time.Since(start)
 		var programmed, ready time.Duration
-		for programmed == 0 || ready == 0 {
+		err = poll.Every(500*time.Millisecond, 30*time.Minute, func() error {
 			var list v1alpha1.RateLimitPolicyList
 			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
 				b.Fatal(err)
@@ -330,10 +358,13 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			if r == n && ready == 0 {
 				ready = time.Since(start)
 			}
-			if time.Since(start) > 30*time.Minute {
-				b.Fatalf("after 30 minutes: %d of %d Programmed, %d Ready", p, n, r)
+			if programmed == 0 || ready == 0 {
+				return fmt.Errorf("%d of %d Programmed, %d Ready", p, n, r)
 			}
-			time.Sleep(500 * time.Millisecond)
+			return nil
+		})
+		if err != nil {
+			b.Fatal(err)
 		}
 		// Each policy's own latency, from its creation to its condition (both in whole seconds):
 		// what a user who applies one policy among a thousand waits for.
@@ -353,12 +384,16 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		writes := countWrites(b, k8s, time.Minute)
 		profile("heap.pprof", "/debug/pprof/heap?gc=1")
 		profiling.Wait()
+		if profiles != "" {
+			saveAPIServerMetrics(b, c.env.Config, filepath.Join(profiles, "apiserver-metrics.txt"))
+		}
 		cpuSteady, _ := mgr.Usage()
 		total := 0
 		for _, w := range writes {
 			total += w
 		}
 		cpu, rss := mgr.Usage()
+		b.ReportMetric(created.Seconds(), "s-all-created")
 		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")
 		b.ReportMetric(ready.Seconds(), "s-to-all-ready")
 		b.ReportMetric(toProgrammed.Seconds(), "s-max-created-to-programmed")
@@ -370,8 +405,33 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 	}
 }
 
+// saveAPIServerMetrics writes the API server's own metrics to file: apiserver_request_total
+// counts every request of the run by resource, subresource and verb, whoever sent it.
+func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
+	t.Helper()
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	resp, err := hc.Get(strings.TrimSuffix(cfg.Host, "/") + "/metrics")
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	defer func() { _ = resp.Body.Close() }()
+	data, err := io.ReadAll(resp.Body)
+	if err == nil {
+		err = os.WriteFile(file, data, 0o644)
+	}
+	if err != nil {
+		t.Error(err)
+	}
+}
+
 // saveProfile writes what url serves to file.
 func saveProfile(t testing.TB, file, url string) {
+	t.Helper()
 	resp, err := http.Get(url)
 	if err != nil {
 		t.Error(err)
@@ -413,7 +473,7 @@ func BenchmarkManagerMemory(b *testing.B) {
 		ns := makeNamespace(b, k8s, "memory-")
 		start := time.Now()
 		populate(b, k8s, ns, n)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		programmed := time.Since(start)
 		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
 		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")

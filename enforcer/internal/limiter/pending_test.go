@@ -12,12 +12,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	testingclock "k8s.io/utils/clock/testing"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/policy"
-	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 const responseRules = `apiVersion: ratelimit.sluice.dev/v1alpha1
@@ -48,9 +48,9 @@ spec:
 
 // responseLimiter is a limiter on the memory store with responseRules, whose clock (the store's
 // and the renewals') the test drives, and its metrics' registry.
-func responseLimiter(t *testing.T) (*limiter.Limiter, *testingclock.FakeClock, *prometheus.Registry) {
+func responseLimiter(t *testing.T) (*limiter.Limiter, *clocktesting.FakeClock, *prometheus.Registry) {
 	t.Helper()
-	clk := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
+	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 	s := store.NewMemory(store.MemoryOptions{Now: clk.Now, SweepInterval: -1})
 	t.Cleanup(func() { _ = s.Close() })
 	reg := prometheus.NewRegistry()
@@ -114,7 +114,7 @@ func TestLimiterWhenARequestOutlastsItsLeaseThenItIsRenewedUntilItEnds(t *testin
 	for i := range 10 {
 		clk.Step(time.Second)
 		// Each request's renewal runs in the background, as the timer fires: wait for both.
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			if n := counter(t, reg, "sluice_lease_renewals_total", "", "renewed"); n != float64(2*(i+1)) {
 				return fmt.Errorf("%v renewals, want %d", n, 2*(i+1))
 			}
@@ -282,7 +282,7 @@ func TestLimiterWhenTheFrontEndCannotSeeResponsesThenSuchRulesAreSkippedAndCount
 func TestLimiterWhenTheStoreFailsThenAnAdmittedRequestStillEndsAndTheChargeIsCountedFailed(t *testing.T) {
 	fs := &fakeStore{err: errors.New("connection refused")}
 	reg := prometheus.NewRegistry()
-	clk := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
+	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 	l := limiter.New(limiter.Options{Store: fs, Metrics: limiter.NewMetrics(reg), Clock: clk})
 	l.SetPolicies(policies(t, responseRules))
 	for _, path := range []string{"/slow", "/login"} {

@@ -9,7 +9,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/config/crd"
-	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 // The schema's defaults are literals in markers; the code's are constants. Each default is
@@ -35,7 +35,7 @@ func TestDefaultsWhenSpelledInMarkersThenTheyEqualTheConstants(t *testing.T) {
 			t.Errorf("%s: the CRD's default is %v, want %s", c.name, c.got, c.want)
 		}
 	}
-	if d, err := time.ParseDuration(string(v1alpha1.DefaultRedisTimeout)); err != nil || d != store.DefaultTimeout {
-		t.Errorf("DefaultRedisTimeout %s, store.DefaultTimeout %v: want the same", v1alpha1.DefaultRedisTimeout, store.DefaultTimeout)
+	if d, err := time.ParseDuration(string(v1alpha1.DefaultRedisTimeout)); err != nil || d != settings.Defaults().RedisTimeout {
+		t.Errorf("DefaultRedisTimeout %s, settings.Defaults().RedisTimeout %v: want the same", v1alpha1.DefaultRedisTimeout, settings.Defaults().RedisTimeout)
 	}
 }

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	clocktesting "k8s.io/utils/clock/testing"
+
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
 )
@@ -22,7 +24,7 @@ func TestStoresWhenCostExceedsTheLimitThenRefusedAsNeverWithoutErrorOrCharge(t *
 		for _, l := range allKinds(5, time.Minute) {
 			for _, cost := range []int64{6, 1000, math.MaxInt64} {
 				t.Run(tg.name+"/"+l.Kind.String(), func(t *testing.T) {
-					clock := &fakeClock{now: start}
+					clock := clocktesting.NewFakeClock(start)
 					s := tg.make(t, clock.Now)
 					tag := uniqueTag(t, cost)
 					one := []store.Check{{Limit: l, Cost: 2, Enforce: true, Tag: tag, Rule: "r"}}
@@ -145,11 +147,11 @@ func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *test
 	// A key whose log grows past its shard's share evicts the others, never itself.
 	tag := store.Tag("p", "grows")
 	c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: tag, Rule: "ruleid01"}}
-	now := time.Unix(1_700_000_000, 0)
-	s2 := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1, Now: func() time.Time { return now }})
+	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	s2 := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1, Now: clock.Now})
 	defer func() { _ = s2.Close() }()
 	for i := range 500 {
-		now = now.Add(time.Millisecond)
+		clock.Step(time.Millisecond)
 		if _, err := s2.Decide(context.Background(), c, out); err != nil || !out[0].Allowed || out[0].Remaining != int64(9_999-i) {
 			t.Fatalf("request %d: %+v, %v", i, out[0], err)
 		}
@@ -159,15 +161,15 @@ func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *test
 // A hot sliding log whose entries keep leaving its window holds an array of the order of the
 // entries in the window: what left is compacted away, and the bytes counted follow.
 func TestMemoryWhenASlidingLogSlidesForLongThenItsArrayStaysTheSizeOfItsWindow(t *testing.T) {
-	now := time.Unix(1_700_000_000, 0)
-	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1, Now: func() time.Time { return now }})
+	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1, Now: clock.Now})
 	defer func() { _ = s.Close() }()
 	l := algorithm.Limit{Kind: algorithm.SlidingLog, Limit: 10_000, Period: time.Second}
 	c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: store.Tag("p", "hot"), Rule: "ruleid01"}}
 	out := make([]algorithm.Decision, 1)
 	most := int64(0)
 	for i := range 200_000 {
-		now = now.Add(time.Millisecond) // 1,000 entries in the window
+		clock.Step(time.Millisecond) // 1,000 entries in the window
 		if _, err := s.Decide(context.Background(), c, out); err != nil || !out[0].Allowed {
 			t.Fatalf("request %d: %+v, %v", i, out[0], err)
 		}

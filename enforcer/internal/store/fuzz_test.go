@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/redis/go-redis/v9"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -135,7 +136,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 	f.Fuzz(func(t *testing.T, data []byte) {
 		tier.Needs(t, "redis-server")
 		in := &fuzzInput{b: data}
-		clock := &fakeClock{now: time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond)}
+		clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond))
 		mem := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
 		defer func() { _ = mem.Close() }()
 		opts := store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: 10 * time.Second}
@@ -200,7 +201,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 				maxPeriod = max(maxPeriod, checks[i].Limit.Period)
 			}
 			if !idem {
-				clock.Add(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
+				clock.Step(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
 			}
 			expire(t, rs.Client(), ends, clock.Now())
 			if op := in.byte(); op >= 192 && len(admitted) > 0 {
@@ -290,13 +291,13 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 
 // keepKeys fails unless every key of the checks has a TTL or does not exist, then notes in ends
 // when the TTL ends by the test's clock, now, and extends it by keyExtension (see the fuzz
-// target). It
-// reports false when a key that the call wrote with a TTL of a millisecond or so (wrote) ended by
-// Redis's clock before it could be extended: the two stores no longer hold comparable states.
-func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote func(i int) bool, ends map[string]time.Time, now time.Time) (comparable bool) {
+// target). It reports false when a key that the call wrote with a TTL of a millisecond or so
+// (wrote) ended by Redis's clock before it could be extended: the two stores no longer hold the
+// same states.
+func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote func(i int) bool, ends map[string]time.Time, now time.Time) (same bool) {
 	t.Helper()
 	ctx := context.Background()
-	comparable = true
+	same = true
 	for i := range checks {
 		k := checks[i].Key()
 		ttl, err := c.PTTL(ctx, k).Result()
@@ -307,7 +308,7 @@ func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote
 			// Written with a TTL of a millisecond of Redis's clock, which ended before the test
 			// could extend it: the stores now hold different states, through no fault of either.
 			t.Logf("key %s expired by Redis's clock before the test extended it: compared up to here", k)
-			comparable = false
+			same = false
 			continue
 		case ttl == -2*time.Nanosecond:
 			continue // no such key
@@ -327,7 +328,7 @@ func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote
 			t.Fatal(err)
 		}
 	}
-	return comparable
+	return same
 }
 
 // keyExtension is what keepKeys adds to a key's TTL: far beyond any TTL a call writes (two days
@@ -352,9 +353,9 @@ func expire(t *testing.T, c redis.UniversalClient, ends map[string]time.Time, no
 // stands still in these sequences; see ending). It reports false for an input whose record may
 // have ended already: a refusal's record lives for its Retry-After, which may be a millisecond,
 // less than the time since the decision, decided.
-func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (comparable bool) {
+func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (same bool) {
 	t.Helper()
-	comparable = true
+	same = true
 	shortRefusal := false
 	for i := range out {
 		shortRefusal = shortRefusal || !out[i].Allowed && !out[i].Never && out[i].RetryAfter <= time.Since(decided)+10*time.Millisecond
@@ -371,7 +372,7 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 			t.Fatal(err)
 		case ttl == -2*time.Nanosecond && shortRefusal:
 			t.Logf("record %s may have ended by Redis's clock already: compared up to here", k)
-			comparable = false
+			same = false
 		case ttl == -2*time.Nanosecond:
 		case ttl < 0:
 			t.Fatalf("record %s of rule %d has no TTL: PTTL %v", k, i, ttl)
@@ -379,7 +380,7 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 			ends[k] = read.Add(ttl)
 		}
 	}
-	return comparable
+	return same
 }
 
 // ending names a record that ends by the wall clock within the next 100ms, or none: the memory

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -48,12 +49,12 @@ func TestStoresWhenRequestsHoldLeasesAndAreChargedByTheirResponsesThenEveryStore
 	var want [][]algorithm.Decision
 	for _, tg := range targets() {
 		t.Run(tg.name, func(t *testing.T) {
-			clock := &fakeClock{now: start}
+			clock := clocktesting.NewFakeClock(start)
 			s := tg.make(t, clock.Now)
 			tag := uniqueTag(t, tg.name)
 			var got [][]algorithm.Decision
 			for i, st := range steps {
-				clock.Add(st.advance)
+				clock.Step(st.advance)
 				checks := []store.Check{
 					{Limit: slots, Cost: 1, Enforce: true, Tag: tag, Rule: "slots", Lease: st.lease},
 					{Limit: budget, Cost: 1, Enforce: true, Tag: tag, Rule: "budget", Lease: st.lease, Deferred: true},
@@ -102,10 +103,14 @@ func TestStoresWhenTwoHundredRequestsRaceForTenSlotsThenNeverMoreThanTenHoldOne(
 	const limit, requests = 10, 200
 	l := algorithm.Limit{Kind: algorithm.Concurrency, Limit: limit, Period: time.Hour}
 	sets := map[string]func(t *testing.T) []store.Store{
-		"memory": func(t *testing.T) []store.Store { return []store.Store{targetsAll()[0].make(t, nil)} },
+		"memory": func(t *testing.T) []store.Store {
+			t.Helper()
+			return []store.Store{targetsAll()[0].make(t, nil)}
+		},
 	}
 	if !tier.Fast() {
 		sets["three-on-one-redis"] = func(t *testing.T) []store.Store {
+			t.Helper()
 			var ss []store.Store
 			for range 3 {
 				ss = append(ss, newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil))
@@ -113,6 +118,7 @@ func TestStoresWhenTwoHundredRequestsRaceForTenSlotsThenNeverMoreThanTenHoldOne(
 			return ss
 		}
 		sets["cluster"] = func(t *testing.T) []store.Store {
+			t.Helper()
 			return []store.Store{newRedis(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: cluster.Addrs()}, nil)}
 		}
 	}

@@ -8,13 +8,10 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 const memoryShards = 64
-
-// DefaultMemoryMaxBytes is MemoryOptions.MaxBytes's default, 128 MiB: with Go's default GC, a
-// heap of live state twice that stays within the 512Mi the rendered enforcer is allowed.
-const DefaultMemoryMaxBytes = 128 << 20
 
 // entryBytes and recordBytes are what a key costs beyond its names and its sliding log: its
 // entry (or record) allocation, its map slot with the map's spare room, and the client tag's
@@ -31,7 +28,7 @@ type MemoryOptions struct {
 	MaxKeys int
 	// MaxBytes bounds the bytes the store's state takes, as it counts them: each key's entry
 	// and map slot, its names, its sliding log's entries, and each idempotency record. A shard
-	// over its share evicts as a full one does. Default DefaultMemoryMaxBytes.
+	// over its share evicts as a full one does. Default settings.Defaults().MemoryMaxBytes.
 	MaxBytes int64
 	// Now is the clock. Default time.Now.
 	Now func() time.Time
@@ -115,10 +112,10 @@ func (e *memoryEntry) keep(st algorithm.State, idleAt float64) {
 // NewMemory returns a memory store. Close stops its background sweep.
 func NewMemory(opts MemoryOptions) *Memory {
 	if opts.MaxKeys <= 0 {
-		opts.MaxKeys = 1_000_000
+		opts.MaxKeys = settings.Defaults().MemoryMaxKeys
 	}
 	if opts.MaxBytes <= 0 {
-		opts.MaxBytes = DefaultMemoryMaxBytes
+		opts.MaxBytes = settings.Defaults().MemoryMaxBytes
 	}
 	if opts.Now == nil {
 		opts.Now = time.Now

@@ -18,6 +18,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/settings"
 )
 
 var (
@@ -29,10 +30,6 @@ var (
 	refundLua    string
 	refundScript = redis.NewScript(refundLua)
 )
-
-// DefaultTimeout bounds each Redis call when nothing else does: the enforcer's --redis-timeout
-// default, and storage.redis.timeout's (api/v1alpha1.DefaultRedisTimeout, held to it by a test).
-const DefaultTimeout = 50 * time.Millisecond
 
 // RedisOptions configure a Redis store.
 type RedisOptions struct {
@@ -48,13 +45,16 @@ type RedisOptions struct {
 	// without a restart.
 	Credentials func() (username, password string)
 	TLS         *tls.Config
-	// Timeout bounds each call. Default DefaultTimeout.
+	// Timeout bounds each call. Default settings.Defaults().RedisTimeout.
 	Timeout time.Duration
 	// PoolSize is the number of connections per node. Default go-redis's (10 per CPU).
 	PoolSize int
 	// Pipelines is how many pipelines of concurrent decisions may be in flight at once, on
 	// Standalone and Sentinel (see batcher). Default 4; negative sends every decision on its own.
 	Pipelines int
+	// Now, for tests only, replaces Redis TIME as the scripts' time, so that a test can move
+	// time on instead of sleeping. Nil in production: every replica must read Redis's clock.
+	Now func() time.Time
 }
 
 // Redis is the store for many enforcer replicas. Each decision is one Lua script per hash tag:
@@ -85,7 +85,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		return nil, errors.New("redis: no addresses")
 	}
 	if opts.Timeout <= 0 {
-		opts.Timeout = DefaultTimeout
+		opts.Timeout = settings.Defaults().RedisTimeout
 	}
 	uo := &redis.UniversalOptions{
 		Addrs:                 opts.Addrs,
@@ -130,6 +130,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		cluster: opts.Mode == v1alpha1.RedisCluster,
 		timeout: opts.Timeout,
 		idBase:  hex.EncodeToString(b[:]) + ".",
+		clock:   opts.Now,
 	}
 	if opts.Pipelines == 0 {
 		opts.Pipelines = 4

@@ -48,7 +48,9 @@ import (
 //
 // What it does not do: it runs the binary it was given rather than the pod's image, it points
 // --upstream at Upstream (there is no cluster DNS), and it hands the token over through
-// $KUBECONFIG rather than the service-account mount.
+// $KUBECONFIG rather than the service-account mount. It probes a ready pod every periodSeconds,
+// as the kubelet does, but one not yet ready on every sync, and marks a pod unready at its first
+// failed probe rather than at failureThreshold.
 type Kubelet struct {
 	opts KubeletOptions
 	k8s  client.Client
@@ -89,17 +91,20 @@ const Node = "local"
 
 // podRun is one running pod.
 type podRun struct {
-	uid       types.UID
-	name      string
-	ip        string
-	proc      *Process
-	readyURL  string
-	ready     bool
-	mounts    map[string]string // mount path -> directory
-	refreshed time.Time
-	started   time.Time
-	restarts  int32
-	stopping  bool
+	uid      types.UID
+	name     string
+	ip       string
+	proc     *Process
+	readyURL string
+	ready    bool
+	// probePeriod is the readiness probe's periodSeconds; probed is when it last ran.
+	probePeriod time.Duration
+	probed      time.Time
+	mounts      map[string]string // mount path -> directory
+	refreshed   time.Time
+	started     time.Time
+	restarts    int32
+	stopping    bool
 }
 
 // StartKubelet starts running the enforcer pods of opts.Namespace with the enforcer binary bin.
@@ -188,8 +193,10 @@ const podWorkers = 8
 
 // sync brings every pod one step closer to its spec.
 func (k *Kubelet) sync(ctx context.Context) {
+	// The cache's own pods, read only: the sync runs ten times a second, and copying a thousand
+	// pods each time is work of the test bed, not of what it tests.
 	var pods corev1.PodList
-	if err := k.watched.List(ctx, &pods, client.InNamespace(k.opts.Namespace)); err != nil {
+	if err := k.watched.List(ctx, &pods, client.InNamespace(k.opts.Namespace), client.UnsafeDisableDeepCopy); err != nil {
 		return
 	}
 	seen := map[types.UID]bool{}
@@ -266,6 +273,14 @@ func (k *Kubelet) syncPod(ctx context.Context, pod *corev1.Pod) error {
 		k.mu.Unlock()
 		return nil
 	}
+	// A ready pod whose status says so is probed every periodSeconds, as the kubelet probes;
+	// one not yet ready on every sync, sooner than the kubelet would, so that tests need not wait
+	// a period for each pod. Probing a thousand ready pods ten times a second took more of this
+	// machine's two cores than the control plane.
+	if run.ready && podReady(pod) && pod.Status.PodIP == run.ip && time.Since(run.probed) < run.probePeriod {
+		return nil
+	}
+	run.probed = time.Now()
 	ready := probe(run.readyURL)
 	if ready == run.ready && podReady(pod) == ready && pod.Status.PodIP == run.ip {
 		return nil
@@ -345,6 +360,10 @@ func (k *Kubelet) run(ctx context.Context, pod *corev1.Pod) error {
 	run := &podRun{uid: pod.UID, name: pod.Name, ip: ip, proc: proc, mounts: mounts, refreshed: time.Now(), started: time.Now()}
 	if p := ctr.ReadinessProbe; p != nil && p.HTTPGet != nil {
 		run.readyURL = "http://" + net.JoinHostPort(ip, strconv.Itoa(containerPort(ctr, p.HTTPGet.Port.String()))) + p.HTTPGet.Path
+		run.probePeriod = time.Duration(p.PeriodSeconds) * time.Second
+		if run.probePeriod <= 0 {
+			run.probePeriod = 10 * time.Second // the API server's default
+		}
 	}
 	k.mu.Lock()
 	k.pods[pod.UID] = run
