@@ -3,6 +3,7 @@ package limiter
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"time"
@@ -63,7 +64,21 @@ func (p *Pending) Holds() bool { return p != nil && p.every > 0 }
 
 // renewLater renews on a goroutine of its own: a clock may run AfterFunc's function while it
 // holds its own lock (a fake clock's Step does), which the store's reading of the time needs.
-func (p *Pending) renewLater() { go p.renew() }
+func (p *Pending) renewLater() {
+	go func() {
+		defer p.l.contain("renew the leases of a request in flight")
+		p.renew()
+	}()
+}
+
+// contain keeps a panic in a request's background work (its renewals, its end) from ending the
+// process, as every request path does: it is logged, and the work is lost (a lease then lasts to
+// its timeout; a charge is not made).
+func (l *Limiter) contain(what string) {
+	if r := recover(); r != nil {
+		l.log.Error(fmt.Errorf("panic: %v", r), "A request's background work panicked; the process goes on", "work", what)
+	}
+}
 
 // renew extends the request's leases, and schedules the next renewal unless the request ended
 // meanwhile. A renewal that fails is counted as a store error; the lease then lasts to its
@@ -145,7 +160,10 @@ func (p *Pending) end(forwarded bool, status int, fields func(name string) []str
 	if len(checks) == 0 {
 		return
 	}
-	p.l.ending.Go(func() { p.l.finish(checks, rules, results) })
+	p.l.ending.Go(func() {
+		defer p.l.contain("end a request")
+		p.l.finish(checks, rules, results)
+	})
 }
 
 // finish releases and charges in one store call, and counts the charges.

@@ -16,6 +16,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/internal/algorithm"
 	"github.com/sluice-dev/sluice/internal/policy"
 	"github.com/sluice-dev/sluice/internal/test/poll"
 )
@@ -322,4 +323,30 @@ func counter(t *testing.T, reg *prometheus.Registry, name, rule, result string) 
 	}
 	t.Fatalf("no series %s{rule=%q,result=%q}", name, rule, result)
 	return 0
+}
+
+// panicStore's Finish and Renew panic: a bug of the store's.
+type panicStore struct{ fakeStore }
+
+func (*panicStore) Finish(context.Context, []store.Check, []algorithm.Decision) error {
+	panic("finish")
+}
+func (*panicStore) Renew(context.Context, []store.Check, []algorithm.Decision) error { panic("renew") }
+
+// A request's background work (its renewals, its end) runs beside the request paths, whose
+// panics are contained: one there is contained too, and the process goes on.
+func TestLimiterWhenARequestsBackgroundWorkPanicsThenTheProcessGoesOn(t *testing.T) {
+	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	l := limiter.New(limiter.Options{Store: &panicStore{}, Clock: clk})
+	l.SetPolicies(policies(t, responseRules))
+	res := l.Decide(context.Background(), proxied("/slow"))
+	if res.Pending == nil {
+		t.Fatalf("%+v: want admitted with a lease", res)
+	}
+	clk.Step(time.Second) // a renewal, which panics
+	res.Pending.End(http.StatusOK, nil)
+	settle(t, l)
+	if again := l.Decide(context.Background(), proxied("/slow")); again.Outcome != limiter.Allowed {
+		t.Errorf("after the panics: %+v", again)
+	}
 }
