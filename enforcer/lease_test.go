@@ -448,3 +448,37 @@ func TestRLSWhenRulesNeedTheResponseThenTheyAreSkippedAndCounted(t *testing.T) {
 		}
 	}
 }
+
+// A request that holds a slot goes upstream on a connection of its own, closed after it; the
+// client's connection is kept alive all the same.
+func TestProxyWhenRequestsHoldSlotsThenTheClientsConnectionIsKeptAlive(t *testing.T) {
+	up := newStreamer(t)
+	e := start(t, policyDoc("slots", slotPolicy), &upstream{Server: up.Server}, nil)
+	conn, err := net.Dial("tcp", e.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	br := bufio.NewReader(conn)
+	close(up.release)
+	// Three requests admitted on the one connection; one sent before the previous slot's
+	// release has landed is refused, on the same connection, and sent again.
+	for admitted, sent := 0, 0; admitted < 3; sent++ {
+		if sent == 100 {
+			t.Fatalf("%d of 100 requests admitted", admitted)
+		}
+		_, _ = io.WriteString(conn, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("request %d on one connection: %v", sent+1, err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		if resp.Close {
+			t.Fatalf("request %d (%d) closes the connection: it must be kept alive", sent+1, resp.StatusCode)
+		}
+		if resp.StatusCode == http.StatusOK {
+			admitted++
+		}
+	}
+}

@@ -201,9 +201,19 @@ func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request,
 		o.end(status, nil)
 		return
 	}
-	req.SetConnectionClose() // the connection is this request's alone
+	// The upstream connection is this request's alone: Connection: close on it, but not on the
+	// client's, which the server reads to keep the client's connection alive.
+	closes := req.Header.ConnectionClose()
+	req.SetConnectionClose()
 	bw := bufio.NewWriter(conn)
-	if err := req.Write(bw); err != nil || bw.Flush() != nil {
+	err = req.Write(bw)
+	if err == nil {
+		err = bw.Flush()
+	}
+	if !closes {
+		req.Header.ResetConnectionClose()
+	}
+	if err != nil {
 		_ = conn.Close()
 		ctx.SetStatusCode(http.StatusBadGateway)
 		o.end(http.StatusBadGateway, nil)
