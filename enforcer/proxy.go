@@ -156,13 +156,13 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	}
 }
 
-// forwardOwing forwards a request that owes its end (leases, a charge by the response) through
-// an upstream response of its own, whose body stream the client's response reads through
-// owedBody: fasthttp closes that stream once its last byte is written to the client, or once
-// writing to the client fails, and the request ends then (verdict.end), with the response's
-// status and fields, trailers included. A response without a body ends it at once. The upstream
-// request cannot be cancelled on this path: a client that leaves before its response begins
-// holds its slot until the upstream answers (or the response header timeout does).
+// forwardOwing forwards a request that owes the charges of its response, on the pooled client,
+// through an upstream response of its own, whose body stream the client's response reads
+// through owedBody: fasthttp closes that stream once its last byte is written to the client, or
+// once writing to the client fails, and the request ends then (owed.end), with the response's
+// status and fields, trailers included. A response without a body ends it at once. A pooled
+// request cannot be cancelled: one whose client left is charged by the response the upstream
+// gives all the same. Requests that hold slots go by forwardHeld.
 func (p *fastProxy) forwardOwing(ctx *fasthttp.RequestCtx, req *fasthttp.Request, v owed) {
 	up := fasthttp.AcquireResponse()
 	if err := p.client.Do(req, up); err != nil {
