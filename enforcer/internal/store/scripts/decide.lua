@@ -92,6 +92,23 @@ local LOG_BASE, LOG_MIN = 9007199254740992, '-4503599627370496'
 local NEVER = -1
 local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
 
+-- trimmed is the units a log key holds (a sliding log's entries, a concurrency rule's leases)
+-- once the entries scored at or before horizon have left it: its '#' member keeps the total, so
+-- the key is read by the entries that leave, not all it holds.
+local function trimmed(key, horizon)
+  local total = redis.call('ZSCORE', key, '#')
+  local n = 0
+  if total then n = tonumber(total) + LOG_BASE end
+  local h = fmt(horizon)
+  local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, h)
+  if #expired > 0 then
+    for _, m in ipairs(expired) do n = n - units(m) end
+    redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, h)
+    redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
+  end
+  return n
+end
+
 -- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
 -- current count and previous count.
 local function swcRead(v)
@@ -218,16 +235,7 @@ local function decide(i, cost)
     end
 
   elseif kind == 4 then
-    local total = redis.call('ZSCORE', key, '#')
-    local n = 0
-    if total then n = tonumber(total) + LOG_BASE end
-    local horizon = fmt(now - period)
-    local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, horizon)
-    if #expired > 0 then
-      for _, m in ipairs(expired) do n = n - units(m) end
-      redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, horizon)
-      redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
-    end
+    local n = trimmed(key, now - period)
     allowed = cost <= limit - n
     local newest
     if allowed then
@@ -258,16 +266,7 @@ local function decide(i, cost)
     if newest then reset = us(newest + period - now) end
 
   elseif kind == 6 then
-    local total = redis.call('ZSCORE', key, '#')
-    local n = 0
-    if total then n = tonumber(total) + LOG_BASE end
-    local horizon = fmt(now)
-    local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, horizon)
-    if #expired > 0 then
-      for _, m in ipairs(expired) do n = n - units(m) end
-      redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, horizon)
-      redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
-    end
+    local n = trimmed(key, now)
     -- A refusal has no retry: a slot frees when a request in flight ends, which no clock says.
     allowed = cost <= limit - n
     local latest = 0
