@@ -6,7 +6,8 @@
 #   4. nginx as a reverse proxy with limit_req,
 # each with wrk (closed loop: throughput) and bench/loadgen at half of the memory enforcer's rate
 # (fixed rate: latency of every target at the same offered load); then the check API with the Redis store at
-# concurrency 50, and Redis scripts per request from INFO commandstats.
+# concurrency 50, and Redis scripts per request from INFO commandstats; last, the ceilings: Go's
+# servers and proxies without a decision, and with a trivial pipelined Redis script per request.
 #
 # Needs wrk, nginx and redis-server (Debian: apt-get install wrk nginx-light redis-server).
 # Usage: bench/proxy.sh [seconds per run, default 10]
@@ -132,3 +133,20 @@ for mode in hello proxy reverseproxy fasthello fastproxy; do
 	fi
 	kill $pid; wait $pid 2>/dev/null || true
 done
+
+# The Redis paths' ceilings: the fasthttp proxy and a fasthttp server answering 200, each running
+# one trivial script per request against the same Redis, pipelined as the enforcer's store sends
+# its scripts: what the Redis proxy and the check API could reach with a decision that costs
+# nothing. The check ceiling gets the check API's 10,000 random clients (its key is X-Client).
+"$work/ceiling" -mode fastproxy-redis -listen 127.0.0.1:$CEIL -upstream 127.0.0.1:$UP -redis 127.0.0.1:$REDIS 2>/dev/null &
+pid=$!
+sleep 0.5
+printf 'ceiling, %-13s %12s req/s\n' "proxy-redis" "$(wrk -t2 -c64 -d"${secs}s" "http://127.0.0.1:$CEIL/" | rate)"
+printf 'ceiling, %-13s at %d/s: %s\n' "proxy-redis" "$half" "$("$work/loadgen" -url "http://127.0.0.1:$CEIL/" -rate "$half" -duration "${secs}s")"
+kill $pid; wait $pid 2>/dev/null || true
+"$work/ceiling" -mode fastcheck-redis -listen 127.0.0.1:$CEIL -redis 127.0.0.1:$REDIS 2>/dev/null &
+pid=$!
+sleep 0.5
+out=$(wrk -t2 -c50 -d"${secs}s" --latency -s "$work/random-client.lua" "http://127.0.0.1:$CEIL/")
+echo "ceiling, check-redis, 10,000 random clients, wrk -c50: $(echo "$out" | rate) req/s, p99 $(echo "$out" | p99)"
+kill $pid; wait $pid 2>/dev/null || true

@@ -8,6 +8,11 @@
 //	fasthello      a fasthttp handler that answers 200 ok
 //	fastproxy      a fasthttp server forwarding each request with a fasthttp.HostClient: the
 //	               fastest Go HTTP/1.1 proxy of the field's libraries, without any decision
+//	fastproxy-redis  fastproxy that first runs one trivial script (return 1) per request against
+//	               -redis, in pipelines as the enforcer's Redis store sends them (4 dispatchers,
+//	               each taking every waiting request, at most 64): the Redis proxy's ceiling
+//	fastcheck-redis  a fasthttp server that runs the same script per request and answers 200:
+//	               the check API's ceiling on Redis
 //	rls            a grpc-go server of Envoy's rate limit service that answers every call OK
 //	               without deciding anything: measure it with bench/rlsload
 //
@@ -26,6 +31,7 @@ import (
 	"net/url"
 
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/redis/go-redis/v9"
 	"github.com/valyala/fasthttp"
 	"google.golang.org/grpc"
 )
@@ -37,9 +43,10 @@ type upstreamConn struct {
 }
 
 func main() {
-	mode := flag.String("mode", "hello", "hello, proxy, reverseproxy, fasthello, fastproxy or rls")
+	mode := flag.String("mode", "hello", "hello, proxy, reverseproxy, fasthello, fastproxy, fastproxy-redis, fastcheck-redis or rls")
 	listen := flag.String("listen", "127.0.0.1:18290", "address to serve")
 	upstream := flag.String("upstream", "127.0.0.1:18180", "upstream host:port (proxy modes)")
+	redisAddr := flag.String("redis", "127.0.0.1:18185", "Redis host:port (the -redis modes)")
 	flag.Parse()
 
 	var h http.Handler
@@ -57,6 +64,23 @@ func main() {
 	case "fastproxy":
 		hc := &fasthttp.HostClient{Addr: *upstream, MaxConns: 4096}
 		log.Fatal(fasthttp.ListenAndServe(*listen, func(ctx *fasthttp.RequestCtx) {
+			if err := hc.Do(&ctx.Request, &ctx.Response); err != nil {
+				ctx.Error(err.Error(), fasthttp.StatusBadGateway)
+			}
+		}))
+	case "fastproxy-redis", "fastcheck-redis":
+		p := newPipeliner(*redisAddr)
+		hc := &fasthttp.HostClient{Addr: *upstream, MaxConns: 4096}
+		forward := *mode == "fastproxy-redis"
+		log.Fatal(fasthttp.ListenAndServe(*listen, func(ctx *fasthttp.RequestCtx) {
+			if err := p.run(ctx.Request.Header.Peek("X-Client")); err != nil {
+				ctx.Error(err.Error(), fasthttp.StatusServiceUnavailable)
+				return
+			}
+			if !forward {
+				ctx.SetBodyString("ok\n")
+				return
+			}
 			if err := hc.Do(&ctx.Request, &ctx.Response); err != nil {
 				ctx.Error(err.Error(), fasthttp.StatusBadGateway)
 			}
@@ -116,6 +140,70 @@ func main() {
 		log.Fatalf("unknown mode %q", *mode)
 	}
 	log.Fatal(http.ListenAndServe(*listen, h)) //nolint:gosec // a benchmark on loopback
+}
+
+// pipeliner runs one trivial script per call, the calls waiting at once in one pipeline: the
+// enforcer's Redis store (its batcher) without the decision or its script's work in Redis.
+type pipeliner struct {
+	client *redis.Client
+	script *redis.Script
+	calls  chan *call
+}
+
+type call struct {
+	key  string
+	err  error
+	done chan struct{}
+}
+
+func newPipeliner(addr string) *pipeliner {
+	p := &pipeliner{
+		client: redis.NewClient(&redis.Options{Addr: addr}),
+		script: redis.NewScript("return 1"),
+		calls:  make(chan *call, 256),
+	}
+	for range 4 {
+		go p.dispatch()
+	}
+	return p
+}
+
+func (p *pipeliner) run(client []byte) error {
+	c := &call{key: "ceiling{" + string(client) + "}", done: make(chan struct{})}
+	p.calls <- c
+	<-c.done
+	return c.err
+}
+
+func (p *pipeliner) dispatch() {
+	ctx := context.Background()
+	batch := make([]*call, 0, 64)
+	cmds := make([]*redis.Cmd, 0, 64)
+	for {
+		batch = append(batch[:0], <-p.calls)
+	more:
+		for len(batch) < cap(batch) {
+			select {
+			case c := <-p.calls:
+				batch = append(batch, c)
+			default:
+				break more
+			}
+		}
+		pipe := p.client.Pipeline()
+		cmds = cmds[:0]
+		for _, c := range batch {
+			cmds = append(cmds, p.script.EvalSha(ctx, pipe, []string{c.key}))
+		}
+		_, _ = pipe.Exec(ctx)
+		for i, c := range batch {
+			c.err = cmds[i].Err()
+			if c.err != nil && redis.HasErrorPrefix(c.err, "NOSCRIPT") {
+				c.err = p.script.Eval(ctx, p.client, []string{c.key}).Err()
+			}
+			close(c.done)
+		}
+	}
 }
 
 // okRLS answers every ShouldRateLimit OK, one status per descriptor, as a service that decides
