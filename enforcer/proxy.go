@@ -124,7 +124,7 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	if !holdConn(ctx.Conn(), v.Wait) {
 		p.limiter.Left()
 		v.owed().drop()
-		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
+		abandon(ctx)
 		return
 	}
 	p.rewrite(ctx, req)
@@ -231,7 +231,7 @@ func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request,
 		fasthttp.ReleaseResponse(up)
 		if gone {
 			p.limiter.Left()
-			ctx.SetConnectionClose() // nobody reads an answer
+			abandon(ctx)
 			o.end(0, nil)
 			return
 		}
@@ -251,6 +251,16 @@ func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request,
 		return
 	}
 	ctx.Response.SetBodyStream(&owedBody{up: up, client: &ctx.Response.Header, v: o, conn: conn, watch: watch}, up.Header.ContentLength())
+}
+
+// abandon closes the connection of a client seen to have left (holdConn, clientWatch) without
+// answering its request. fasthttp would otherwise write the response as it stands, a 200 with
+// no body; and the end of the stream that MSG_PEEK sees is also what a client sends that only
+// half-closed its connection once its request was sent, which reads on: it must not read a 200
+// that no upstream gave. nginx does the same with a client it sees leave (its 499).
+func abandon(ctx *fasthttp.RequestCtx) {
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(func(net.Conn) {}) // fasthttp closes the connection once this returns
 }
 
 // owedBody relays an upstream response's body to the client's response, and its trailers once
