@@ -272,11 +272,14 @@ type owedBody struct {
 	v      owed
 	conn   net.Conn
 	watch  *clientWatch
+	// ended is set once the upstream's body has been read to its end, trailers included.
+	ended bool
 }
 
 func (b *owedBody) Read(buf []byte) (int, error) {
 	n, err := b.up.BodyStream().Read(buf)
 	if errors.Is(err, io.EOF) {
+		b.ended = true
 		// The upstream's trailers have been read into its header: the client's response
 		// announced them (the copied header), and writes them after the body.
 		for name := range b.up.Header.Trailers() {
@@ -298,7 +301,11 @@ func (b *owedBody) CloseWithError(err error) error {
 	if b.watch != nil {
 		b.watch.stop() // before the server reads the client's next request
 	}
-	b.v.end(b.up.StatusCode(), fastFields(&b.up.Header))
+	if b.ended {
+		b.v.end(b.up.StatusCode(), fastFields(&b.up.Header))
+	} else {
+		b.v.cut(b.up.StatusCode(), fastFields(&b.up.Header)) // its client left, or the upstream broke off
+	}
 	var cerr error
 	if s, ok := b.up.BodyStream().(fasthttp.ReadCloserWithError); ok {
 		cerr = s.CloseWithError(err)
