@@ -94,7 +94,7 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 	}
 	if !holdConn(ctx.Conn(), v.Wait) {
 		c.limiter.Left()
-		ctx.SetConnectionClose() // the caller gave up: nobody reads the answer
+		abandon(ctx) // the caller gave up; one that only half-closed must not read an early 200
 	}
 }
 

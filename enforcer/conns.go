@@ -88,11 +88,21 @@ func newGuardListener(ln net.Listener, server string, limits connLimits, m *conn
 }
 
 func (l *guardListener) Accept() (net.Conn, error) {
+	var delay time.Duration
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
-			return nil, err
+			if !acceptPasses(err) {
+				return nil, err
+			}
+			// Out of file descriptors or kernel memory: wait and accept again, as net/http's
+			// servers do. Returned, the error would stop fasthttp's servers and the proxy's
+			// split listener, and the enforcer with them.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			time.Sleep(delay)
+			continue
 		}
+		delay = 0
 		addr := netip.Addr{}
 		if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
 			addr = a.AddrPort().Addr().Unmap()
@@ -104,6 +114,22 @@ func (l *guardListener) Accept() (net.Conn, error) {
 		l.open.Inc()
 		return &guardedConn{Conn: c, l: l, addr: addr, timeout: l.limits.writeTimeout}, nil
 	}
+}
+
+// acceptPasses reports whether an Accept error passes with time rather than ending the
+// listener: a timeout, or a shortage of file descriptors (EMFILE, ENFILE) or kernel memory
+// (ENOBUFS, ENOMEM), which ends as connections close.
+func acceptPasses(err error) bool {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return true
+	}
+	for _, errno := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
+		if errors.Is(err, errno) {
+			return true
+		}
+	}
+	return false
 }
 
 func (l *guardListener) release(addr netip.Addr) {

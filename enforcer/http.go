@@ -3,6 +3,8 @@ package enforcer
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -130,7 +132,11 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 		// Without a pool, every response allocates a fresh 32 KiB copy buffer.
 		BufferPool: &bufferPool{},
 		ModifyResponse: func(resp *http.Response) error {
-			note(resp.Request.Context(), resp, resp.StatusCode)
+			if n := note(resp.Request.Context(), resp, resp.StatusCode); n != nil && resp.StatusCode != http.StatusSwitchingProtocols {
+				// An upgraded response's body is the connection, which ReverseProxy splices as
+				// it is; any other is read to its end, or not, for the request's end.
+				resp.Body = &endedBody{ReadCloser: resp.Body, n: n}
+			}
 			return nil
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
@@ -237,7 +243,13 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// it panics (http.ErrAbortHandler) when the client leaves mid-body: deferred, the end comes
 	// either way.
 	n := &responseNote{}
-	defer func() { o.end(n.result()) }()
+	defer func() {
+		if n.resp != nil && !n.ended && n.resp.StatusCode != http.StatusSwitchingProtocols {
+			o.cut(n.result()) // its client left during the body, or the upstream broke it off
+			return
+		}
+		o.end(n.result())
+	}()
 	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), noteKey{}, n)))
 }
 
@@ -247,15 +259,34 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 type responseNote struct {
 	resp   *http.Response
 	status int
+	// ended is set once the upstream's body has been read to its end (endedBody), after which
+	// ReverseProxy copies the trailers.
+	ended bool
 }
 
 type noteKey struct{}
 
-// note records on the request's note, if it has one, what its response was.
-func note(ctx context.Context, resp *http.Response, status int) {
-	if n, ok := ctx.Value(noteKey{}).(*responseNote); ok {
+// note records on the request's note, if it has one, what its response was, and returns it.
+func note(ctx context.Context, resp *http.Response, status int) *responseNote {
+	n, ok := ctx.Value(noteKey{}).(*responseNote)
+	if ok {
 		n.resp, n.status = resp, status
 	}
+	return n
+}
+
+// endedBody notes when an owing request's response body has been read to its end.
+type endedBody struct {
+	io.ReadCloser
+	n *responseNote
+}
+
+func (b *endedBody) Read(p []byte) (int, error) {
+	k, err := b.ReadCloser.Read(p)
+	if errors.Is(err, io.EOF) {
+		b.n.ended = true
+	}
+	return k, err
 }
 
 // result is the response's status and a reader of its fields, header and trailer.

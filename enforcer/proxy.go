@@ -124,7 +124,7 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	if !holdConn(ctx.Conn(), v.Wait) {
 		p.limiter.Left()
 		v.owed().drop()
-		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
+		abandon(ctx)
 		return
 	}
 	p.rewrite(ctx, req)
@@ -231,7 +231,7 @@ func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request,
 		fasthttp.ReleaseResponse(up)
 		if gone {
 			p.limiter.Left()
-			ctx.SetConnectionClose() // nobody reads an answer
+			abandon(ctx)
 			o.end(0, nil)
 			return
 		}
@@ -253,6 +253,16 @@ func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request,
 	ctx.Response.SetBodyStream(&owedBody{up: up, client: &ctx.Response.Header, v: o, conn: conn, watch: watch}, up.Header.ContentLength())
 }
 
+// abandon closes the connection of a client seen to have left (holdConn, clientWatch) without
+// answering its request. fasthttp would otherwise write the response as it stands, a 200 with
+// no body; and the end of the stream that MSG_PEEK sees is also what a client sends that only
+// half-closed its connection once its request was sent, which reads on: it must not read a 200
+// that no upstream gave. nginx does the same with a client it sees leave (its 499).
+func abandon(ctx *fasthttp.RequestCtx) {
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(func(net.Conn) {}) // fasthttp closes the connection once this returns
+}
+
 // owedBody relays an upstream response's body to the client's response, and its trailers once
 // it ends, and ends the request when fasthttp closes it; with forwardHeld, it stops watching
 // the client then, and closes the request's own upstream connection.
@@ -262,11 +272,14 @@ type owedBody struct {
 	v      owed
 	conn   net.Conn
 	watch  *clientWatch
+	// ended is set once the upstream's body has been read to its end, trailers included.
+	ended bool
 }
 
 func (b *owedBody) Read(buf []byte) (int, error) {
 	n, err := b.up.BodyStream().Read(buf)
 	if errors.Is(err, io.EOF) {
+		b.ended = true
 		// The upstream's trailers have been read into its header: the client's response
 		// announced them (the copied header), and writes them after the body.
 		for name := range b.up.Header.Trailers() {
@@ -288,7 +301,11 @@ func (b *owedBody) CloseWithError(err error) error {
 	if b.watch != nil {
 		b.watch.stop() // before the server reads the client's next request
 	}
-	b.v.end(b.up.StatusCode(), fastFields(&b.up.Header))
+	if b.ended {
+		b.v.end(b.up.StatusCode(), fastFields(&b.up.Header))
+	} else {
+		b.v.cut(b.up.StatusCode(), fastFields(&b.up.Header)) // its client left, or the upstream broke off
+	}
 	var cerr error
 	if s, ok := b.up.BodyStream().(fasthttp.ReadCloserWithError); ok {
 		cerr = s.CloseWithError(err)

@@ -113,6 +113,11 @@ func (v *verdict) owed() owed { return owed{v.Pending} }
 // that owes nothing ignores both.
 func (o owed) end(status int, fields func(name string) []string) { o.p.End(status, fields) }
 
+// cut ends an admitted request whose response began but whose body did not end (its client left
+// during it, or the upstream broke it off): as end, but a rule with costFrom whose response
+// reported no valid cost in its header is charged costFrom.max (limiter.Pending.Cut).
+func (o owed) cut(status int, fields func(name string) []string) { o.p.Cut(status, fields) }
+
 // drop ends an admitted request that was never forwarded: its leases are released, and nothing
 // is charged.
 func (o owed) drop() { o.p.Drop() }

@@ -36,6 +36,11 @@ const (
 	// chargeDefaultCost: the response reported no valid cost (its field missing, repeated, not a
 	// whole number), or never came, and was charged the rule's cost.
 	chargeDefaultCost = "default_cost"
+	// chargeIncomplete: the response began, but its body did not end (its client left, or the
+	// upstream broke it off), and reported no valid cost in its header: the cost a trailer would
+	// have reported is unknown, and leaving early must not lower it, so it was charged
+	// costFrom.max.
+	chargeIncomplete = "incomplete"
 	// chargeFailed: the store could not take the charge.
 	chargeFailed = "failed"
 )
@@ -46,7 +51,7 @@ const (
 	renewalFailed  = "failed"
 )
 
-var chargeResults = []string{chargeCharged, chargeClamped, chargeDefaultCost, chargeFailed}
+var chargeResults = []string{chargeCharged, chargeClamped, chargeDefaultCost, chargeIncomplete, chargeFailed}
 
 // Metrics are the limiter's Prometheus metrics. Labels name policies (namespace and policy, the
 // name, apart, as kube-state-metrics names objects), rules and results, never client keys or
@@ -72,7 +77,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"namespace", "policy", "rule", "result"}),
 		responseCharges: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "sluice_response_charges_total",
-			Help: "Responses charged to rules charged by the response (charge.when Response), by policy, rule and result: charged (what the response reported, or the rule's cost), clamped (more than costFrom.max, charged max), default_cost (no valid cost in the response, or no response: the rule's cost), failed (the store could not take the charge).",
+			Help: "Responses charged to rules charged by the response (charge.when Response), by policy, rule and result: charged (what the response reported, or the rule's cost), clamped (more than costFrom.max, charged max), default_cost (no valid cost in the response, or no response: the rule's cost), incomplete (a body that did not end and no valid cost in the header: costFrom.max), failed (the store could not take the charge).",
 		}, []string{"namespace", "policy", "rule", "result"}),
 		leaseRenewals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "sluice_lease_renewals_total",
@@ -204,7 +209,7 @@ func (m *Metrics) Counters() map[RuleKey]report.Counters {
 			c.FailedClosed += n
 		case resultSkipped:
 			c.Skipped += n
-		case chargeCharged, chargeClamped, chargeDefaultCost:
+		case chargeCharged, chargeClamped, chargeDefaultCost, chargeIncomplete:
 			c.Charged += n
 		}
 		out[k] = c

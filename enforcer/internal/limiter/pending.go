@@ -120,14 +120,23 @@ func (p *Pending) renew() {
 // response never came (its client left first) is charged as one that did, at the rule's cost:
 // leaving early never escapes a charge.
 func (p *Pending) End(status int, fields func(name string) []string) {
-	p.end(true, status, fields)
+	p.end(true, false, status, fields)
+}
+
+// Cut ends the request as End does, for a response that began but whose body did not end: its
+// client left during it, or the upstream broke it off. A rule with costFrom whose response
+// reported no valid cost in its header is charged costFrom.max rather than its cost: the trailer
+// that would have reported it never came, and a client that leaves just before it must not pay
+// less than one that reads it.
+func (p *Pending) Cut(status int, fields func(name string) []string) {
+	p.end(true, true, status, fields)
 }
 
 // Drop ends a request that was never forwarded (its client left while it was held in a leaky
 // bucket's queue): its leases are released, and nothing is charged, as no response was made.
-func (p *Pending) Drop() { p.end(false, 0, nil) }
+func (p *Pending) Drop() { p.end(false, false, 0, nil) }
 
-func (p *Pending) end(forwarded bool, status int, fields func(name string) []string) {
+func (p *Pending) end(forwarded, cut bool, status int, fields func(name string) []string) {
 	if p == nil {
 		return
 	}
@@ -153,6 +162,9 @@ func (p *Pending) end(forwarded bool, status int, fields func(name string) []str
 				continue
 			}
 			c.Cost, result = ResponseCost(r.rule, status, fields)
+			if cut && status != 0 && result == chargeDefaultCost && r.rule.CostFrom != nil {
+				c.Cost, result = r.rule.CostFrom.Max, chargeIncomplete
+			}
 			c.Deferred = false
 		}
 		checks, rules, results = append(checks, c), append(rules, r), append(results, result)
