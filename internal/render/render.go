@@ -227,14 +227,7 @@ func PodLabels(p *v1alpha1.RateLimitPolicy) map[string]string {
 // to the 253 of an object name, is cut to leave room and followed by "-" and 8 hex digits of its
 // SHA-256, as cluster-api's util/labels/format does: valid, stable, and distinct for names that
 // share their first 54 characters.
-func LabelValue(name string) string {
-	if len(name) <= validation.LabelValueMaxLength {
-		return name
-	}
-	sum := sha256.Sum256([]byte(name))
-	suffix := "-" + hex.EncodeToString(sum[:4])
-	return name[:validation.LabelValueMaxLength-len(suffix)] + suffix
-}
+func LabelValue(name string) string { return report.LabelValue(name) }
 
 // PolicyOfPod is the name of the policy whose enforcer runs in pod, or "": from its annotation
 // when the name is too long for the instance label, else from the label.
