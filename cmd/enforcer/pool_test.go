@@ -60,7 +60,7 @@ func poolConfigMap(ns, pool, policy, data string) *corev1.ConfigMap {
 }
 
 // poolIdentity makes the identity the manager renders for a pool's enforcers, a service account
-// that may get, list and watch the ConfigMaps of the pool's namespace and nothing else, and
+// that may list and watch the ConfigMaps of the pool's namespace and nothing else, and
 // writes a kubeconfig with a token of it.
 func poolIdentity(t *testing.T, env *testenv.Env, ns string) string {
 	t.Helper()
@@ -69,7 +69,7 @@ func poolIdentity(t *testing.T, env *testenv.Env, ns string) string {
 	objs := []client.Object{
 		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pool"}},
 		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pool"}, Rules: []rbacv1.PolicyRule{{
-			APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch"}}}},
+			APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"list", "watch"}}}},
 		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pool"},
 			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pool"},
 			Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ns, Name: "pool"}}},
@@ -95,7 +95,7 @@ func poolIdentity(t *testing.T, env *testenv.Env, ns string) string {
 	return path
 }
 
-// A pool's replica, the real binary with the identity the manager renders (get, list and watch
+// A pool's replica, the real binary with the identity the manager renders (list and watch
 // on its namespace's ConfigMaps): it serves the policies of the ConfigMaps labelled with its
 // pool, each loaded apart, through the check API's /policies/<namespace>/<name>/... paths and
 // the rate limit service by domain or by a descriptor's sluice-policy entry; it refuses a
