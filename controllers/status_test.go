@@ -76,7 +76,7 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 		}
 	}
 	serving := func(pod, revision string) replica {
-		return replica{pod: pod, ready: true, report: &report.Report{Revision: revision, Store: report.Store{Connected: true}}}
+		return replica{pod: pod, ready: true, revision: revision, report: &report.Report{Revision: revision, Store: report.Store{Connected: true}}}
 	}
 	observe := func(d *appsv1.Deployment, pods ...replica) observation {
 		return observation{programmed: true, revision: "r1", service: "sluice-p", replicas: 2, image: "img", storage: "redis-standalone",
