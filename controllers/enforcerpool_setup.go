@@ -8,6 +8,7 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/workqueue"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -56,6 +57,31 @@ func (r *RateLimitPolicyReconciler) policiesOfPool() handler.EventHandler {
 	return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
 		var list v1alpha1.RateLimitPolicyList
 		if err := r.List(ctx, &list, client.MatchingFields{poolRefIndex: client.ObjectKeyFromObject(o).String()}, client.UnsafeDisableDeepCopy); err != nil {
+			return nil
+		}
+		reqs := make([]reconcile.Request, len(list.Items))
+		for i := range list.Items {
+			reqs[i] = reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])}
+		}
+		return reqs
+	})
+}
+
+// policiesOfPoolObjects enqueues the policies that join the pool of a pool's Deployment or pod:
+// whether every replica is ready and done rolling out is part of their readiness, and their
+// replicas' reports do not change when it does.
+func (r *RateLimitPolicyReconciler) policiesOfPoolObjects() handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
+		pool := render.PoolOfPod(o)
+		if ref := metav1.GetControllerOfNoCopy(o); pool == "" && ref != nil && ref.Kind == "EnforcerPool" && ref.APIVersion == v1alpha1.GroupVersion.String() {
+			pool = ref.Name
+		}
+		if pool == "" {
+			return nil
+		}
+		var list v1alpha1.RateLimitPolicyList
+		key := types.NamespacedName{Namespace: o.GetNamespace(), Name: pool}.String()
+		if err := r.List(ctx, &list, client.MatchingFields{poolRefIndex: key}, client.UnsafeDisableDeepCopy); err != nil {
 			return nil
 		}
 		reqs := make([]reconcile.Request, len(list.Items))

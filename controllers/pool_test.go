@@ -222,3 +222,194 @@ func TestPoolWhenPoliciesJoinThenThePoolServesThemAndStatusSaysSoBesideOwnEnforc
 		})
 	})
 }
+
+// labelNamespace sets or removes (value "") a label of a namespace.
+func labelNamespace(t *testing.T, name, key, value string) {
+	t.Helper()
+	ns := &corev1.Namespace{}
+	if err := k8s.Get(context.Background(), client.ObjectKey{Name: name}, ns); err != nil {
+		t.Fatal(err)
+	}
+	if ns.Labels == nil {
+		ns.Labels = map[string]string{}
+	}
+	if value == "" {
+		delete(ns.Labels, key)
+	} else {
+		ns.Labels[key] = value
+	}
+	if err := k8s.Update(context.Background(), ns); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// served lists the policies every replica of a pool reports serving, from the pool's status.
+func poolServes(t *testing.T, pool *v1alpha1.EnforcerPool) int32 {
+	t.Helper()
+	if err := k8s.Get(context.Background(), client.ObjectKeyFromObject(pool), pool); err != nil {
+		t.Fatal(err)
+	}
+	if pool.Status.Policies == nil {
+		return -1
+	}
+	return pool.Status.Policies.Served
+}
+
+// A pool admits the policies of the namespaces its allowedPolicies say, as a Gateway's listener
+// admits routes: one of another namespace is Accepted=False NotAllowedByPool until the pool's
+// selector matches its namespace's labels, and loses its place, its config removed from the pool,
+// when they no longer do; a policy naming a pool that does not exist is Accepted=False
+// PoolNotFound until it does; a pool deleted takes its policies' configs with it.
+func TestPoolWhenPoliciesOfTwoNamespacesJoinThenTheNamespacesItAdmitsDecide(t *testing.T) {
+	ctx := context.Background()
+	gw := testenv.Namespace(t, k8s, "gw")
+	runEnforcers(t, gw)
+	teamA, teamB := testenv.Namespace(t, k8s, "team-a"), testenv.Namespace(t, k8s, "team-b")
+	targetService(t, teamA, "api")
+	targetService(t, teamB, "api")
+	pool := newPool(gw, "shared", v1alpha1.NamespacesFromSelector)
+	pool.Spec.AllowedPolicies.Namespaces.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"pool": "shared"}}
+	if err := k8s.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	labelNamespace(t, teamA, "pool", "shared")
+	a, b := pooled(teamA, "a", "api", gw, "shared"), pooled(teamB, "b", "api", gw, "shared")
+	lost := pooled(teamA, "lost", "api", gw, "later")
+	lost.Spec.TargetRef.Name = "lost"
+	for _, o := range []client.Object{a, b, lost} {
+		if err := k8s.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	waitCondition(t, a, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	waitCondition(t, b, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonNotAllowedByPool)
+	if c := condition(t, b, v1alpha1.ConditionAccepted); !strings.Contains(c.Message, "EnforcerPool "+gw+"/shared does not admit policies of namespace "+teamB) {
+		t.Errorf("Accepted of the refused policy: %+v, want a message naming the pool and the namespace", c)
+	}
+	if c := condition(t, b, v1alpha1.ConditionProgrammed); c.Status != metav1.ConditionFalse || c.Reason != v1alpha1.ReasonNotAccepted {
+		t.Errorf("Programmed of the refused policy: %+v", c)
+	}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: gw, Name: render.PoolConfigMapName("shared", b)}, &corev1.ConfigMap{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the refused policy's config in the pool: %v, want none", err)
+	}
+	waitCondition(t, lost, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonPoolNotFound)
+	if c := condition(t, lost, v1alpha1.ConditionAccepted); !strings.Contains(c.Message, "EnforcerPool "+gw+"/later does not exist") {
+		t.Errorf("Accepted of the policy of a missing pool: %+v", c)
+	}
+
+	t.Run("when the refused namespace gets the pool's label then its policy joins", func(t *testing.T) {
+		labelNamespace(t, teamB, "pool", "shared")
+		waitCondition(t, b, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+		eventually(t, "the pool serving both", func() (bool, string) { n := poolServes(t, pool); return n == 2, fmt.Sprint(n) })
+	})
+
+	t.Run("when a namespace loses the label then its policy leaves the pool", func(t *testing.T) {
+		labelNamespace(t, teamA, "pool", "")
+		waitCondition(t, a, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonNotAllowedByPool)
+		eventually(t, "its config removed from the pool", func() (bool, string) {
+			err := k8s.Get(ctx, client.ObjectKey{Namespace: gw, Name: render.PoolConfigMapName("shared", a)}, &corev1.ConfigMap{})
+			return apierrors.IsNotFound(err), fmt.Sprint(err)
+		})
+		eventually(t, "the pool serving one", func() (bool, string) { n := poolServes(t, pool); return n == 1, fmt.Sprint(n) })
+	})
+
+	t.Run("when the missing pool is created then the policy naming it joins", func(t *testing.T) {
+		later := newPool(gw, "later", v1alpha1.NamespacesFromAll)
+		later.Spec.Replicas, later.Spec.Storage = nil, nil // memory, one replica
+		if err := k8s.Create(ctx, later); err != nil {
+			t.Fatal(err)
+		}
+		waitCondition(t, lost, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+		if e := lost.Status.Enforcer; e.Ready != "1/1" || e.Storage != "memory" || e.Pool != gw+"/later" {
+			t.Errorf("status.enforcer %+v, want the memory pool's 1/1", e)
+		}
+	})
+
+	t.Run("when a pool is deleted then its policies' configs go with it and they are PoolNotFound", func(t *testing.T) {
+		if err := k8s.Delete(ctx, pool); err != nil {
+			t.Fatal(err)
+		}
+		waitCondition(t, b, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonPoolNotFound)
+		eventually(t, "the pool's configs collected", func() (bool, string) {
+			var cms corev1.ConfigMapList
+			if err := k8s.List(ctx, &cms, client.InNamespace(gw), client.MatchingLabels{report.PoolLabel: "shared"}); err != nil {
+				return false, err.Error()
+			}
+			return len(cms.Items) == 0, fmt.Sprintf("%d left", len(cms.Items))
+		})
+	})
+}
+
+// One policy's problem is its own: a policy whose config no ConfigMap can hold is refused before
+// delivery (Programmed=False, Stalled), one whose rules are invalid is not accepted, and a
+// config a replica cannot load is reported by the pool (Degraded PoliciesRefused), while the
+// pool's other policies stay Ready and served.
+func TestPoolWhenOnePolicyIsOversizedOrInvalidThenItAloneIsRefused(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "pool-iso")
+	runEnforcers(t, ns)
+	targetService(t, ns, "api")
+	pool := newPool(ns, "shared", v1alpha1.NamespacesFromSame)
+	if err := k8s.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	good := pooled(ns, "good", "api", "", "shared")
+	big := pooled(ns, "big", "big", "", "shared")
+	value := strings.Repeat("v", 4096)
+	big.Spec.Rules = nil
+	for i := range 18 {
+		var headers []v1alpha1.HeaderMatch
+		for j := range 16 {
+			headers = append(headers, v1alpha1.HeaderMatch{Name: v1alpha1.HeaderName(fmt.Sprintf("X-H%d", j)), Value: ptr.To(value)})
+		}
+		big.Spec.Rules = append(big.Spec.Rules, v1alpha1.Rule{Name: fmt.Sprintf("r%d", i), Match: &v1alpha1.Match{Headers: headers},
+			FixedWindow: &v1alpha1.Window{Limit: 1, Window: "1s"}})
+	}
+	// What only Go can say: the webhook would refuse it; the controller does too.
+	invalid := pooled(ns, "invalid", "invalid", "", "shared")
+	invalid.Spec.Rules[0].Match = &v1alpha1.Match{Path: &v1alpha1.PathMatch{Type: v1alpha1.PathMatchRegularExpression, Value: "(unclosed"}}
+	for _, o := range []client.Object{good, big, invalid} {
+		if err := k8s.Create(ctx, o); err != nil {
+			t.Fatalf("create %s: %v", o.GetName(), err)
+		}
+	}
+	waitCondition(t, good, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+	waitCondition(t, big, v1alpha1.ConditionProgrammed, metav1.ConditionFalse, v1alpha1.ReasonApplyFailed)
+	if c := condition(t, big, v1alpha1.ConditionProgrammed); !strings.Contains(c.Message, "a pool's ConfigMap holds") {
+		t.Errorf("Programmed of the oversized policy: %+v", c)
+	}
+	if c := condition(t, big, v1alpha1.ConditionStalled); c.Status != metav1.ConditionTrue {
+		t.Errorf("Stalled of the oversized policy: %+v, want True", c)
+	}
+	waitCondition(t, invalid, v1alpha1.ConditionAccepted, metav1.ConditionFalse, v1alpha1.ReasonInvalid)
+	for _, p := range []*v1alpha1.RateLimitPolicy{big, invalid} {
+		if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: render.PoolConfigMapName("shared", p)}, &corev1.ConfigMap{}); !apierrors.IsNotFound(err) {
+			t.Errorf("%s's config delivered to the pool: %v", p.Name, err)
+		}
+	}
+
+	// A config the manager did not write, labelled for the pool: its replicas refuse it and
+	// the pool says so; the good policy is served on.
+	rogue := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "rogue", Labels: map[string]string{report.PoolLabel: "shared"},
+		Annotations: map[string]string{report.PolicyAnnotation: ns + "/rogue"}}, Data: map[string]string{report.PolicyFileKey: "kind: Nonsense\n"}}
+	if err := k8s.Create(ctx, rogue); err != nil {
+		t.Fatal(err)
+	}
+	waitPoolCondition(t, pool, v1alpha1.ConditionDegraded, metav1.ConditionTrue, v1alpha1.ReasonPoliciesRefused)
+	eventually(t, "the refused policy listed", func() (bool, string) {
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), pool); err != nil {
+			return false, err.Error()
+		}
+		ps := pool.Status.Policies
+		return ps != nil && ps.Refused == 1 && len(ps.RefusedPolicies) == 1 && ps.RefusedPolicies[0].Policy == ns+"/rogue" && ps.Served == 1,
+			fmt.Sprintf("%+v", ps)
+	})
+	if c := condition(t, good, v1alpha1.ConditionReady); c.Status != metav1.ConditionTrue {
+		t.Errorf("the good policy beside a refused one: %+v, want Ready", c)
+	}
+	if err := k8s.Delete(ctx, rogue); err != nil {
+		t.Fatal(err)
+	}
+	waitPoolCondition(t, pool, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
+}

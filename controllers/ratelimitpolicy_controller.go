@@ -612,6 +612,8 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		// a pooled policy's config changed by hand bring the policies that join it; its
 		// replicas' reports bring the policies whose entry changed.
 		Watches(&v1alpha1.EnforcerPool{}, r.policiesOfPool(), builder.WithPredicates(predicate.GenerationChangedPredicate{})).
+		Watches(&appsv1.Deployment{}, r.policiesOfPoolObjects()).
+		Watches(&corev1.Pod{}, r.policiesOfPoolObjects()).
 		Watches(&corev1.Namespace{}, r.pooledPoliciesOfNamespace(), builder.WithPredicates(predicate.LabelChangedPredicate{})).
 		Watches(&corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
 			id, ok := o.GetAnnotations()[report.PolicyAnnotation]
