@@ -3,9 +3,13 @@ package controllers_test
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -24,6 +28,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/report"
+	"github.com/sluice-dev/sluice/internal/test/local"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -412,4 +417,241 @@ func TestPoolWhenOnePolicyIsOversizedOrInvalidThenItAloneIsRefused(t *testing.T)
 		t.Fatal(err)
 	}
 	waitPoolCondition(t, pool, v1alpha1.ConditionDegraded, metav1.ConditionFalse, v1alpha1.ReasonAsExpected)
+}
+
+// home is one place that may decide a policy's requests: its own enforcer's check API, or a
+// pool's, asked for it by path.
+type home struct {
+	name string
+	// urls finds the check API URLs of the home's running pods.
+	urls func() []string
+}
+
+// decidedBy asks every pod of a home to decide a request of the policy, as a gateway would, and
+// reports whether each did (the policy's RateLimit fields on a 200 or 429): a pod that is gone,
+// or does not serve the policy (404), did not.
+func decidedBy(hc *http.Client, urls []string, client string) []bool {
+	out := make([]bool, len(urls))
+	for i, u := range urls {
+		req, _ := http.NewRequest(http.MethodGet, u, nil)
+		req.Header.Set("X-Forwarded-Method", "GET")
+		req.Header.Set("X-Forwarded-Uri", "/")
+		req.Header.Set("X-Api-Key", client)
+		resp, err := hc.Do(req)
+		if err != nil {
+			continue
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		out[i] = (resp.StatusCode == http.StatusOK || resp.StatusCode == http.StatusTooManyRequests) && resp.Header.Get("RateLimit-Policy") != ""
+	}
+	return out
+}
+
+// A policy moves on a live cluster, under traffic, from its own enforcer into a pool, to another
+// pool, and back to an enforcer of its own: make-before-break, its new home serves its current
+// revision on every replica before its old one stops, so that at every moment some home decides
+// its requests. Both homes count in one Redis under the policy's keys, so a client limited before
+// a move is limited after it.
+func TestPoolWhenAPolicyMovesInAndOutUnderTrafficThenSomeHomeDecidesThroughout(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "move")
+	runEnforcers(t, ns)
+	targetService(t, ns, "api")
+	first, second := newPool(ns, "first", v1alpha1.NamespacesFromSame), newPool(ns, "second", v1alpha1.NamespacesFromSame)
+	p := newPolicy(ns, "mover", "api")
+	p.Spec.Enforcer.Replicas = ptr.To[int32](1)
+	p.Spec.Rules[0].TokenBucket = &v1alpha1.TokenBucket{Capacity: 3, Refill: v1alpha1.TokenRefill{Tokens: 1, Period: "1h"}}
+	for _, o := range []client.Object{first, second, p} {
+		if err := k8s.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitPoolCondition(t, first, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	waitPoolCondition(t, second, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+
+	podURLs := func(selector map[string]string, path string) func() []string {
+		return func() []string {
+			var pods corev1.PodList
+			if err := k8s.List(ctx, &pods, client.InNamespace(ns), client.MatchingLabels(selector)); err != nil {
+				return nil
+			}
+			var urls []string
+			for i := range pods.Items {
+				if pod := &pods.Items[i]; pod.Status.PodIP != "" && pod.DeletionTimestamp == nil {
+					urls = append(urls, local.PodURL(pod, "check")+path)
+				}
+			}
+			slices.Sort(urls)
+			return urls
+		}
+	}
+	byPath := "/policies/" + ns + "/mover" + enforcer.ForwardAuthPath
+	homes := []home{
+		{"own", podURLs(render.PodLabels(p), enforcer.ForwardAuthPath)},
+		{"first", podURLs(render.PoolPodLabels(first), byPath)},
+		{"second", podURLs(render.PoolPodLabels(second), byPath)},
+	}
+
+	// The traffic: every few milliseconds each pod of each home is asked, each time for a new
+	// client, so that no limit refuses; a round is covered when some pod of some home decided.
+	type round struct {
+		at      time.Time
+		decided []string // the pods' check URLs that decided
+	}
+	var mu sync.Mutex
+	var rounds []round
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	hc := &http.Client{Timeout: 2 * time.Second}
+	wg.Go(func() {
+		var urls []string
+		refreshed := time.Time{}
+		deadline := time.Now().Add(3 * time.Minute) // bounded, whatever the test does
+		for n := 0; time.Now().Before(deadline); n++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if time.Since(refreshed) > 50*time.Millisecond {
+				urls = nil
+				for _, h := range homes {
+					urls = append(urls, h.urls()...)
+				}
+				refreshed = time.Now()
+			}
+			r := round{at: time.Now()}
+			for i, ok := range decidedBy(hc, urls, fmt.Sprintf("traffic-%d", n)) {
+				if ok {
+					r.decided = append(r.decided, urls[i])
+				}
+			}
+			mu.Lock()
+			rounds = append(rounds, r)
+			mu.Unlock()
+			time.Sleep(5 * time.Millisecond)
+		}
+	})
+	t.Cleanup(func() {
+		select {
+		case <-stop:
+		default:
+			close(stop)
+		}
+		wg.Wait()
+	})
+
+	// A client spends its limit of 3 at its own enforcer, before any move.
+	limited := func(urls []string) []int {
+		var out []int
+		for _, u := range urls {
+			req, _ := http.NewRequest(http.MethodGet, u, nil)
+			req.Header.Set("X-Forwarded-Method", "GET")
+			req.Header.Set("X-Forwarded-Uri", "/")
+			req.Header.Set("X-Api-Key", "spender")
+			resp, err := hc.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = resp.Body.Close()
+			out = append(out, resp.StatusCode)
+		}
+		return out
+	}
+	ownURL := homes[0].urls()
+	if len(ownURL) != 1 {
+		t.Fatalf("own enforcer pods %v, want 1", ownURL)
+	}
+	if got := limited([]string{ownURL[0], ownURL[0], ownURL[0], ownURL[0]}); !slices.Equal(got, []int{200, 200, 200, 429}) {
+		t.Fatalf("the spender at its own enforcer: %v, want its 3 then 429", got)
+	}
+
+	move := func(to string, change func(*v1alpha1.RateLimitPolicy), done func() (bool, string)) {
+		t.Helper()
+		start := time.Now()
+		updateSpec(t, p, change)
+		eventually(t, "the move to "+to, done)
+		waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
+		t.Logf("moved to %s in %v", to, time.Since(start).Round(time.Millisecond))
+	}
+	gone := func(o client.Object) (bool, string) {
+		err := k8s.Get(ctx, client.ObjectKeyFromObject(o), o)
+		return apierrors.IsNotFound(err), fmt.Sprintf("%T %s: %v", o, o.GetName(), err)
+	}
+	own := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-mover"}}
+	configIn := func(pool string) *corev1.ConfigMap {
+		return &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.PoolConfigMapName(pool, p)}}
+	}
+
+	move("the pool first", func(p *v1alpha1.RateLimitPolicy) {
+		p.Spec.Storage, p.Spec.Enforcer = nil, &v1alpha1.EnforcerSpec{PoolRef: &v1alpha1.PoolRef{Name: "first"}}
+	}, func() (bool, string) { return gone(own) })
+	if got := limited(homes[1].urls()); !slices.Equal(got, []int{429, 429}) {
+		t.Errorf("the spender at the pool's replicas: %v, want 429 from both: its counter moved with it", got)
+	}
+	move("the pool second", func(p *v1alpha1.RateLimitPolicy) { p.Spec.Enforcer.PoolRef.Name = "second" },
+		func() (bool, string) { return gone(configIn("first")) })
+	move("its own enforcer", func(p *v1alpha1.RateLimitPolicy) {
+		p.Spec.Enforcer = &v1alpha1.EnforcerSpec{Replicas: ptr.To[int32](1)}
+		p.Spec.Storage = newPolicy(ns, "x", "x").Spec.Storage
+	}, func() (bool, string) { return gone(configIn("second")) })
+	close(stop)
+	wg.Wait()
+
+	// Every round was decided by some home, and every pod of each new home decided before the
+	// last pod of the home before it stopped.
+	mu.Lock()
+	defer mu.Unlock()
+	if len(rounds) < 100 {
+		t.Fatalf("only %d rounds of traffic", len(rounds))
+	}
+	var uncovered []string
+	served := map[string][2]time.Time{} // pod -> first and last round it decided
+	for _, r := range rounds {
+		for _, u := range r.decided {
+			w := served[u]
+			if w[0].IsZero() {
+				w[0] = r.at
+			}
+			w[1] = r.at
+			served[u] = w
+		}
+		if len(r.decided) == 0 {
+			uncovered = append(uncovered, r.at.Format("15:04:05.000"))
+		}
+	}
+	if len(uncovered) > 0 {
+		t.Errorf("%d of %d rounds decided by no home, at %v", len(uncovered), len(rounds), uncovered)
+	}
+	var finalOwn []string
+	for u := range served {
+		if !strings.Contains(u, "/policies/") && u != ownURL[0] {
+			finalOwn = append(finalOwn, u)
+		}
+	}
+	if len(finalOwn) != 1 {
+		t.Errorf("own enforcer pods that decided after the move back: %v, want one", finalOwn)
+	}
+	firstPods, secondPods := homes[1].urls(), homes[2].urls()
+	steps := [][2][]string{{{ownURL[0]}, firstPods}, {firstPods, secondPods}, {secondPods, finalOwn}}
+	for i, step := range steps {
+		var newest, oldest time.Time // the new home's last first decision, the old home's first last one
+		for _, u := range step[1] {
+			if served[u][0].After(newest) {
+				newest = served[u][0]
+			}
+		}
+		for _, u := range step[0] {
+			if oldest.IsZero() || served[u][1].Before(oldest) {
+				oldest = served[u][1]
+			}
+		}
+		if len(step[0]) == 0 || len(step[1]) == 0 || !newest.Before(oldest) {
+			t.Errorf("move %d: every pod of the new home %v decided by %v, the old home %v stopped at %v: not make-before-break",
+				i+1, step[1], newest.Format("15:04:05.000"), step[0], oldest.Format("15:04:05.000"))
+		}
+	}
+	t.Logf("%d rounds of traffic, %d decided by no home", len(rounds), len(uncovered))
 }
