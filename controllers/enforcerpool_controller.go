@@ -38,6 +38,11 @@ import (
 // both.
 type poolReconciler struct {
 	*RateLimitPolicyReconciler
+	*poolMemory
+}
+
+// poolMemory is the pool reconciler's state across reconciles, lost on restart.
+type poolMemory struct {
 	applied appliedCache
 	// written is when each pool's status was last written.
 	written sync.Map // types.NamespacedName -> time.Time

@@ -114,7 +114,8 @@ func (r *RateLimitPolicyReconciler) pooledPoliciesOfNamespace() handler.EventHan
 // pods, the deletion of policies (whose configs it removes), and the labels of namespaces, by
 // which a pool may admit policies.
 func (r *RateLimitPolicyReconciler) setupPools(mgr ctrl.Manager) error {
-	pr := &poolReconciler{RateLimitPolicyReconciler: r}
+	pr := &poolReconciler{RateLimitPolicyReconciler: r, poolMemory: &poolMemory{}}
+	r.mem.poolMemory = pr.poolMemory
 	policyGone := handler.TypedFuncs[client.Object, reconcile.Request]{
 		DeleteFunc: func(_ context.Context, e event.TypedDeleteEvent[client.Object], q workqueue.TypedRateLimitingInterface[reconcile.Request]) {
 			if p, ok := e.Object.(*v1alpha1.RateLimitPolicy); ok {

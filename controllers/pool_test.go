@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,7 +23,9 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
+	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer"
@@ -654,4 +657,96 @@ func TestPoolWhenAPolicyMovesInAndOutUnderTrafficThenSomeHomeDecidesThroughout(t
 		}
 	}
 	t.Logf("%d rounds of traffic, %d decided by no home", len(rounds), len(uncovered))
+}
+
+// countingClient is c, counting every request that could change something.
+func countingClient(c client.Client, writes *atomic.Int64) client.Client {
+	count := func() { writes.Add(1) }
+	return interceptor.NewClient(noWatch{c}, interceptor.Funcs{
+		Create: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.CreateOption) error {
+			count()
+			return c.Create(ctx, o, opts...)
+		},
+		Update: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.UpdateOption) error {
+			count()
+			return c.Update(ctx, o, opts...)
+		},
+		Patch: func(ctx context.Context, c client.WithWatch, o client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			count()
+			return c.Patch(ctx, o, patch, opts...)
+		},
+		Apply: func(ctx context.Context, c client.WithWatch, o runtime.ApplyConfiguration, opts ...client.ApplyOption) error {
+			count()
+			return c.Apply(ctx, o, opts...)
+		},
+		Delete: func(ctx context.Context, c client.WithWatch, o client.Object, opts ...client.DeleteOption) error {
+			count()
+			return c.Delete(ctx, o, opts...)
+		},
+		SubResourcePatch: func(ctx context.Context, c client.Client, sub string, o client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
+			count()
+			return c.SubResource(sub).Patch(ctx, o, patch, opts...)
+		},
+		SubResourceUpdate: func(ctx context.Context, c client.Client, sub string, o client.Object, opts ...client.SubResourceUpdateOption) error {
+			count()
+			return c.SubResource(sub).Update(ctx, o, opts...)
+		},
+	})
+}
+
+// A second reconcile of an unchanged pool, and of an unchanged policy in it, writes nothing: no
+// request that changes anything is sent, and no resourceVersion moves.
+func TestPoolWhenNothingChangedThenZeroWrites(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "pool-steady")
+	runEnforcers(t, ns)
+	targetService(t, ns, "api")
+	pool := newPool(ns, "shared", v1alpha1.NamespacesFromSame)
+	p := pooled(ns, "steady", "api", "", "shared")
+	for _, o := range []client.Object{pool, p} {
+		if err := k8s.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitPoolCondition(t, pool, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	// Settled: the pool's counts are written at most once per interval.
+	eventually(t, "the pool's status settled", func() (bool, string) { n := poolServes(t, pool); return n == 1, fmt.Sprint(n) })
+
+	versions := func() string {
+		var out []string
+		for _, o := range []client.Object{
+			&appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-pool-shared"}},
+			&corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-pool-shared"}},
+			&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.PoolConfigMapName("shared", p)}},
+			&v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "shared"}},
+			&v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "steady"}},
+		} {
+			if err := k8s.Get(ctx, client.ObjectKeyFromObject(o), o); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, fmt.Sprintf("%T=%s", o, o.GetResourceVersion()))
+		}
+		return strings.Join(out, " ")
+	}
+	before := versions()
+	var writes atomic.Int64
+	counting := countingClient(mgrClient, &writes)
+	r := *reconciler
+	r.Client = counting
+	pools := reconciler.PoolReconciler(counting)
+	for range 3 {
+		if _, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pools.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(pool)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := writes.Load(); n != 0 {
+		t.Errorf("%d writes in 3 reconciles of an unchanged pool and policy, want 0", n)
+	}
+	if after := versions(); after != before {
+		t.Errorf("resourceVersions moved: %s -> %s", before, after)
+	}
 }

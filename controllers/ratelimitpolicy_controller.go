@@ -92,8 +92,9 @@ type memory struct {
 	programmed sync.Map // types.NamespacedName -> *programmed
 	// written is when each policy's status was last written.
 	written sync.Map // types.NamespacedName -> time.Time
-	// pools reads the pools' replicas' reports.
-	pools *poolReports
+	// pools reads the pools' replicas' reports; poolMemory is the pool reconciler's.
+	pools      *poolReports
+	poolMemory *poolMemory
 }
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
