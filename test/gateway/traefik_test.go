@@ -288,8 +288,8 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "pooled-api"},
 		Spec: v1alpha1.RateLimitPolicySpec{
 			TargetRef: v1alpha1.TargetRef{Name: "pooled-api", Port: 8080},
-			Rules: []v1alpha1.Rule{{Name: "pooled", Match: prefix("/pooled"), Key: byClient, FixedWindow: &v1alpha1.Window{Limit: 2, Window: "1h"}}},
-			Enforcer: &v1alpha1.EnforcerSpec{PoolRef: &v1alpha1.PoolRef{Name: "shared"}},
+			Rules:     []v1alpha1.Rule{{Name: "pooled", Match: prefix("/pooled"), Key: byClient, FixedWindow: &v1alpha1.Window{Limit: 2, Window: "1h"}}},
+			Enforcer:  &v1alpha1.EnforcerSpec{PoolRef: &v1alpha1.PoolRef{Name: "shared"}},
 		},
 	}
 	pooledService := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "pooled-api"},
