@@ -5,9 +5,13 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -207,6 +211,41 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 		// The same client key in another policy is another counter.
 		if got := statuses("/policies/team/b/auth-request", "ann", 4); !slices.Equal(got, []int{200, 200, 200, 403}) {
 			t.Errorf("team/b auth-request: %v, want its limit of 3, refused as 403 for nginx", got)
+		}
+	})
+
+	t.Run("when nginx asks by the policy's auth-request path, as ingress-nginx's auth-url, then its limit holds and a policy not served lets nothing through", func(t *testing.T) {
+		var hits atomic.Int64
+		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { hits.Add(1); _, _ = io.WriteString(w, "ok") }))
+		t.Cleanup(up.Close)
+		served, unserved := freeAddr(t), freeAddr(t)
+		conf := strings.NewReplacer("{{served}}", served, "{{unserved}}", unserved, "{{check}}", "http://"+check, "{{upstream}}", up.URL,
+			"{{ns}}", "shop").Replace(poolNginx)
+		startNginx(t, conf)
+		send := func(addr, client string) *http.Response {
+			t.Helper()
+			var resp *http.Response
+			if !eventually(10*time.Second, func() bool {
+				req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/orders", nil)
+				req.Header.Set("X-Client", client)
+				var err error
+				resp, err = http.DefaultClient.Do(req)
+				return err == nil
+			}) {
+				t.Fatalf("nginx at %s does not answer", addr)
+			}
+			_ = resp.Body.Close()
+			return resp
+		}
+		var got []int
+		for range 3 {
+			got = append(got, send(served, "gina").StatusCode)
+		}
+		if !slices.Equal(got, []int{200, 200, 429}) || hits.Load() != 2 {
+			t.Errorf("through nginx to shop/a: %v, the upstream saw %d; want 200, 200, 429 and 2", got, hits.Load())
+		}
+		if r := send(unserved, "hal"); r.StatusCode != http.StatusInternalServerError || hits.Load() != 2 {
+			t.Errorf("through nginx to a policy the pool does not serve: %d, the upstream saw %d; want nginx's 500 and nothing through", r.StatusCode, hits.Load())
 		}
 	})
 
@@ -446,4 +485,96 @@ func readBody(t *testing.T, resp *http.Response) string {
 		t.Fatal(err)
 	}
 	return string(data)
+}
+
+// poolNginx is nginx as ingress-nginx renders an Ingress whose auth-url is a pool's check API at
+// a policy's auth-request path, with the snippets of docs/enforcer.md: one server for a policy
+// the pool serves, one for a policy it does not.
+const poolNginx = `
+worker_processes 1;
+error_log {{dir}}/error.log;
+pid {{dir}}/nginx.pid;
+events { worker_connections 64; }
+http {
+  access_log off;
+  client_body_temp_path {{dir}}/body;
+  proxy_temp_path {{dir}}/proxy;
+  fastcgi_temp_path {{dir}}/fastcgi;
+  uwsgi_temp_path {{dir}}/uwsgi;
+  scgi_temp_path {{dir}}/scgi;
+  server {
+    listen {{served}};
+    location @sluice_429 {
+      add_header Retry-After $sluice_retry_after always;
+      default_type application/problem+json;
+      return 429 '{"type":"https://sluice.dev/problems/rate-limited","title":"Too Many Requests","status":429}\n';
+    }
+    location = /_external-auth {
+      internal;
+      proxy_pass_request_body off;
+      proxy_set_header Content-Length "";
+      proxy_set_header X-Original-URL $scheme://$http_host$request_uri;
+      proxy_set_header X-Original-Method $request_method;
+      proxy_http_version 1.1;
+      proxy_pass {{check}}/policies/{{ns}}/a/auth-request;
+    }
+    location / {
+      auth_request /_external-auth;
+      auth_request_set $sluice_retry_after $upstream_http_retry_after;
+      error_page 403 = @sluice_429;
+      proxy_pass {{upstream}};
+    }
+  }
+  server {
+    listen {{unserved}};
+    location = /_external-auth {
+      internal;
+      proxy_pass_request_body off;
+      proxy_set_header Content-Length "";
+      proxy_set_header X-Original-URL $scheme://$http_host$request_uri;
+      proxy_set_header X-Original-Method $request_method;
+      proxy_http_version 1.1;
+      proxy_pass {{check}}/policies/{{ns}}/nope/auth-request;
+    }
+    location / {
+      auth_request /_external-auth;
+      proxy_pass {{upstream}};
+    }
+  }
+}
+`
+
+// startNginx runs the real nginx with a configuration until the test ends.
+func startNginx(t *testing.T, conf string) {
+	t.Helper()
+	tier.Needs(t, "nginx")
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		t.Fatalf("the tests need nginx (hack/ensure-nginx.sh): %v", err)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(strings.ReplaceAll(conf, "{{dir}}", dir)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := &local.Output{}
+	p, err := local.Start("nginx", out, bin, "-p", dir, "-c", "nginx.conf", "-g", "daemon off;")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Stop()
+		if t.Failed() {
+			log, _ := os.ReadFile(filepath.Join(dir, "error.log"))
+			t.Logf("nginx: %s\nerror.log:\n%s", out, log)
+		}
+	})
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	addr, err := local.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return addr
 }
