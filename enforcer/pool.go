@@ -163,7 +163,19 @@ func (w *poolWatch) run(ctx context.Context, hasSynced func() bool) {
 		w.pending = map[string]*corev1.ConfigMap{}
 		w.mu.Unlock()
 		if len(batch) > 0 {
+			start := time.Now()
 			w.apply(batch)
+			// Putting the policies in force costs in proportion to all of them: while changes
+			// keep coming (ten thousand policies created), batches are spaced by what the last
+			// one took, so that at most half a core goes to them and the changes that arrive
+			// meanwhile make one batch.
+			if took := time.Since(start); took > time.Millisecond {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(min(took, 250*time.Millisecond)):
+				}
+			}
 		}
 		if listed && !w.synced.Load() {
 			w.synced.Store(true)
