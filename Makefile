@@ -113,7 +113,7 @@ fuzz: redis-server ## Run every fuzz target of the repository (found by go test 
 	while read -r pkg names; do \
 		for name in $$names; do \
 			echo "--- fuzz $$pkg $$name for $(FUZZTIME)"; \
-			go test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 10s "$$pkg" || exit 1; \
+			hack/fuzz.sh "$$pkg" "$$name" $(FUZZTIME) || exit 1; \
 		done; \
 	done <<< "$$targets"
 

@@ -31,7 +31,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -276,7 +276,7 @@ func (a *applier) applyOne(ctx context.Context, obj client.Object) error {
 	if a.programmed && (!seen || last.request == request) {
 		drift = reason
 	}
-	log.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
+	logf.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
 	if drift != "" && a.recorder != nil {
 		a.recorder.Eventf(a.on, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
 			"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
@@ -552,6 +552,6 @@ func deleteOwned(ctx context.Context, c client.Client, owner types.UID, obj clie
 	if err := c.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}
-	log.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
+	logf.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))
 	return nil
 }

@@ -142,14 +142,17 @@ func TestApplyReasonWhenTheRenderingOrTheLiveObjectChangesThenApplyExactlyWhenIt
 			d.Spec.Template.Spec.Containers[0].StartupProbe = &corev1.Probe{PeriodSeconds: 3}
 		}, want: "startupProbe.periodSeconds is not applied"},
 		{name: "when someone else scales it then apply and name them", edit: func(t *testing.T, d *appsv1.Deployment) {
+			t.Helper()
 			d.Spec.Replicas = ptr.To[int32](5)
 			takeOver(t, d, "kubectl-edit", fieldpath.MakePathOrDie("spec", "replicas"))
 		}, want: "spec.replicas was set by kubectl-edit"},
 		{name: "when someone else changes the image then apply", edit: func(t *testing.T, d *appsv1.Deployment) {
+			t.Helper()
 			d.Spec.Template.Spec.Containers[0].Image = "x:1"
 			takeOver(t, d, "kubectl-set", fieldpath.MakePathOrDie("spec", "template", "spec", "containers", enforcer, "image"))
 		}, want: "image was set by kubectl-set"},
 		{name: "when someone else adds an annotation then no apply", edit: func(t *testing.T, d *appsv1.Deployment) {
+			t.Helper()
 			d.Annotations["deployment.kubernetes.io/revision"] = "1"
 			d.ManagedFields = append(d.ManagedFields, managedEntry(t, "kube-controller-manager", metav1.ManagedFieldsOperationUpdate,
 				fieldpath.NewSet(fieldpath.MakePathOrDie("metadata", "annotations", "deployment.kubernetes.io/revision"))))

@@ -97,18 +97,18 @@ func argoHealth(t *testing.T, obj map[string]any) (status, message string) {
 }
 
 // toLua converts a decoded JSON value to Lua values, as Argo CD hands objects to its scripts.
-func toLua(L *lua.LState, v any) lua.LValue {
+func toLua(ls *lua.LState, v any) lua.LValue {
 	switch v := v.(type) {
 	case map[string]any:
-		t := L.NewTable()
+		t := ls.NewTable()
 		for k, x := range v {
-			t.RawSetString(k, toLua(L, x))
+			t.RawSetString(k, toLua(ls, x))
 		}
 		return t
 	case []any:
-		t := L.NewTable()
+		t := ls.NewTable()
 		for _, x := range v {
-			t.Append(toLua(L, x))
+			t.Append(toLua(ls, x))
 		}
 		return t
 	case string:

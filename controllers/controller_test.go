@@ -1,17 +1,15 @@
 package controllers_test
 
 import (
-	"flag"
-
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"net/http"
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -48,8 +46,10 @@ import (
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (
@@ -185,17 +185,12 @@ func newPolicy(ns, name, target string) *v1alpha1.RateLimitPolicy {
 // eventually polls cond until it holds or 10 seconds pass.
 func eventually(t *testing.T, what string, cond func() (bool, string)) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ok, detail := cond()
-		if ok {
-			return
+	poll.WaitFor(t, 10*time.Second, func() error {
+		if ok, detail := cond(); !ok {
+			return fmt.Errorf("%s: %s", what, detail)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 10s: %s", what, detail)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func condition(t *testing.T, p *v1alpha1.RateLimitPolicy, typ string) *metav1.Condition {
@@ -512,7 +507,8 @@ func TestReconcileWhenTwoPoliciesTargetOneServiceThenTheLaterIsConflicted(t *tes
 		t.Fatal(err)
 	}
 	waitCondition(t, first, v1alpha1.ConditionAccepted, metav1.ConditionTrue, "")
-	time.Sleep(1100 * time.Millisecond) // creation timestamps have whole seconds
+	// Created within the same second or not (timestamps have whole seconds), first is the
+	// earlier: a tie breaks by name.
 	second := newPolicy(ns, "second", "api")
 	if err := k8s.Create(ctx, second); err != nil {
 		t.Fatal(err)
@@ -646,8 +642,9 @@ func (noWatch) Watch(context.Context, client.ObjectList, ...client.ListOption) (
 
 // Under steady traffic the counts change at every report, and the status is written at most
 // once per report interval (1s here), yet it is written: the counts move. An annotation on the
-// enforcer Service changes every 100ms meanwhile, and each change brings a reconcile that sees
-// new counts: ten times the writes, if writes were not bounded.
+// enforcer Service changes meanwhile, and each change brings a reconcile that sees new counts:
+// many times the writes, if writes were not bounded. The test waits for four writes, however
+// long the machine takes to make them, and counts the Service changes between them.
 func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "busy")
@@ -667,54 +664,102 @@ func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
+	services, err := watcher.Watch(ctx, &corev1.ServiceList{}, client.InNamespace(ns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer services.Stop()
+	var changes atomic.Int64 // of the enforcer Service, each a reconcile
+	go func() {
+		for ev := range services.ResultChan() {
+			if svc, ok := ev.Object.(*corev1.Service); ok && ev.Type == watch.Modified && svc.Name == "sluice-busy" {
+				changes.Add(1)
+			}
+		}
+	}()
 	w, err := watcher.Watch(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace(ns))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer w.Stop()
-	const span = 6 * time.Second
-	var writes []time.Time
-	done := make(chan struct{})
+	type write struct {
+		at              time.Time
+		allowed, change int64
+	}
+	const want = 4
+	var writes []write
+	var seen atomic.Int64
+	enough := make(chan struct{})
 	go func() {
-		defer close(done)
 		for ev := range w.ResultChan() {
-			if ev.Type == watch.Modified {
-				writes = append(writes, time.Now())
+			if p, ok := ev.Object.(*v1alpha1.RateLimitPolicy); ok && ev.Type == watch.Modified && len(writes) < want {
+				var allowed int64
+				if len(p.Status.Rules) == 1 {
+					allowed = p.Status.Rules[0].Allowed
+				}
+				writes = append(writes, write{time.Now(), allowed, changes.Load()})
+				seen.Add(1)
+				if len(writes) == want {
+					close(enough)
+				}
 			}
 		}
 	}()
-	start := time.Now()
-	ticked := make(chan struct{})
-	go func() {
-		defer close(ticked)
+	var driving sync.WaitGroup
+	driving.Go(func() {
 		svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-busy"}}
-		for i := 0; time.Since(start) < span; i++ {
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		for i := 0; ; i++ {
 			patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{"test.sluice.dev/tick":"%d"}}}`, i))
 			if err := k8s.Patch(ctx, svc, client.RawPatch(types.MergePatchType, patch)); err != nil {
 				t.Error(err)
 				return
 			}
-			time.Sleep(100 * time.Millisecond)
+			select {
+			case <-enough:
+				return
+			case <-t.Context().Done(): // the test failed first
+				return
+			case <-tick.C:
+			}
 		}
-	}()
-	for i := 0; time.Since(start) < span; i++ {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, local.PodURL(&pods[0], "proxy")+"/", nil)
-		req.Header.Set("X-Api-Key", fmt.Sprint("client-", i%50))
-		if resp, err := http.DefaultClient.Do(req); err == nil {
-			_ = resp.Body.Close()
+	})
+	driving.Go(func() {
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for i := 0; ; i++ {
+			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, local.PodURL(&pods[0], "proxy")+"/", nil)
+			req.Header.Set("X-Api-Key", fmt.Sprint("client-", i%50))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				_ = resp.Body.Close()
+			}
+			select {
+			case <-enough:
+				return
+			case <-t.Context().Done(): // the test failed first
+				return
+			case <-tick.C:
+			}
 		}
-		time.Sleep(5 * time.Millisecond)
+	})
+	select {
+	case <-enough:
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("%d status writes in 2 minutes of traffic, want %d", seen.Load(), want)
 	}
-	<-ticked
-	w.Stop()
-	<-done
-	if len(writes) < 3 || len(writes) > int(span/time.Second)+1 {
-		t.Errorf("%d status writes in %v of traffic with a 1s interval, want between 3 and %d", len(writes), span, int(span/time.Second)+1)
-	}
+	driving.Wait()
 	for i := 1; i < len(writes); i++ {
-		if gap := writes[i].Sub(writes[i-1]); gap < 900*time.Millisecond {
+		if gap := writes[i].at.Sub(writes[i-1].at); gap < 900*time.Millisecond {
 			t.Errorf("writes %d and %d %v apart, want at least the interval", i-1, i, gap)
 		}
+	}
+	first, last := writes[0], writes[len(writes)-1]
+	if last.allowed <= first.allowed {
+		t.Errorf("status.rules[0].allowed went from %d to %d over %d writes, want the counts to move", first.allowed, last.allowed, want)
+	}
+	if n := last.change - first.change; n < 2*(want-1) {
+		t.Errorf("%d changes of the Service between the first and the last of %d writes, want at least %d: the bound was not put to the test", n, want, 2*(want-1))
 	}
 	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil || len(p.Status.Rules) != 1 || p.Status.Rules[0].Allowed == 0 {
 		t.Errorf("status.rules %+v (%v), want the traffic counted", p.Status.Rules, err)

@@ -22,7 +22,7 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -291,7 +291,7 @@ func (r *poolReconciler) collect(ctx context.Context, pool *v1alpha1.EnforcerPoo
 			client.Preconditions{UID: ptr.To(cm.UID)}); err != nil && !apierrors.IsNotFound(err) {
 			return &failure{errApply, err}
 		}
-		log.FromContext(ctx).Info("Removed a policy's config from the pool", "configMap", klog.KObj(cm), "policy", key, "reason", why)
+		logf.FromContext(ctx).Info("Removed a policy's config from the pool", "configMap", klog.KObj(cm), "policy", key, "reason", why)
 	}
 	return nil
 }

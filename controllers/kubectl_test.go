@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -43,7 +44,7 @@ func TestKubectlGetWhenAPolicyHasSeveralRulesThenTheRULESColumnShowsEveryOneThat
 	}
 	wantColumn := func(name, want string) {
 		t.Helper()
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			got, err := rulesColumn(name)
 			if err != nil {
 				return err

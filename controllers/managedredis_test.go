@@ -25,6 +25,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
@@ -204,7 +205,7 @@ func TestManagedRedisWhenProgrammedThenAGeneratedPasswordGuardsItAndTheEnforcerH
 		if err := k8s.Delete(ctx, redisDep); err != nil {
 			t.Fatal(err)
 		}
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			d := &appsv1.Deployment{}
 			if err := k8s.Get(ctx, key, d); err != nil {
 				return err
@@ -227,7 +228,7 @@ func TestManagedRedisWhenProgrammedThenAGeneratedPasswordGuardsItAndTheEnforcerH
 		if err := k8s.Delete(ctx, secret); err != nil {
 			t.Fatal(err)
 		}
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			s, d := &corev1.Secret{}, &appsv1.Deployment{}
 			if err := k8s.Get(ctx, key, s); err != nil {
 				return err
@@ -246,7 +247,7 @@ func TestManagedRedisWhenProgrammedThenAGeneratedPasswordGuardsItAndTheEnforcerH
 	})
 	t.Run("when storage moves to memory then the Secret and the budget are deleted", func(t *testing.T) {
 		updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Storage = nil })
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			for _, o := range []client.Object{&corev1.Secret{}, &policyv1.PodDisruptionBudget{}, &networkingv1.NetworkPolicy{}} {
 				if err := k8s.Get(ctx, key, o); !apierrors.IsNotFound(err) {
 					return fmt.Errorf("%T still there (%w)", o, err)

@@ -20,6 +20,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/render"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -94,7 +95,7 @@ func analyze(t *testing.T, ns string) (*matcher.Policy, []networkingv1.NetworkPo
 func enforcerPod(t *testing.T, p *v1alpha1.RateLimitPolicy) *corev1.Pod {
 	t.Helper()
 	var pod *corev1.Pod
-	testenv.WaitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		var pods corev1.PodList
 		if err := k8s.List(context.Background(), &pods, client.InNamespace(p.Namespace), client.MatchingLabels(render.PodLabels(p))); err != nil {
 			return err
@@ -254,7 +255,7 @@ func TestBypassProtectionWhenSetThenTheTargetPortAdmitsOnlyTheEnforcerAndTheList
 	}
 	t.Run("when the Service's targetPort changes then the new port is protected and the old one open", func(t *testing.T) {
 		setTargetPort(intstr.FromInt32(8443))
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			engine, _ := analyze(t, ns)
 			if traffic(engine, unlisted, shop, 8443, corev1.ProtocolTCP).IsAllowed() || !traffic(engine, unlisted, shop, 8080, corev1.ProtocolTCP).IsAllowed() {
 				return errors.New("8443 not yet protected, or 8080 still")
@@ -264,7 +265,7 @@ func TestBypassProtectionWhenSetThenTheTargetPortAdmitsOnlyTheEnforcerAndTheList
 	})
 	t.Run("when the targetPort is named then Programmed is False naming the field", func(t *testing.T) {
 		setTargetPort(intstr.FromString("http"))
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			c := condition(t, p, v1alpha1.ConditionProgrammed)
 			if c == nil || c.Status != metav1.ConditionFalse || !strings.Contains(c.Message, "spec.targetRef.bypassProtection") || !strings.Contains(c.Message, `"http"`) {
 				return fmt.Errorf("Programmed %+v", c)
@@ -276,7 +277,7 @@ func TestBypassProtectionWhenSetThenTheTargetPortAdmitsOnlyTheEnforcerAndTheList
 	})
 	t.Run("when the protection is removed then its NetworkPolicy is deleted", func(t *testing.T) {
 		updateSpec(t, p, func(p *v1alpha1.RateLimitPolicy) { p.Spec.TargetRef.BypassProtection = nil })
-		testenv.WaitFor(t, 10*time.Second, func() error {
+		poll.WaitFor(t, 10*time.Second, func() error {
 			err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: render.BypassName(render.Name(p))}, &networkingv1.NetworkPolicy{})
 			if !apierrors.IsNotFound(err) {
 				return fmt.Errorf("the bypass NetworkPolicy is still there (%w)", err)

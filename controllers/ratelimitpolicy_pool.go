@@ -18,7 +18,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/render"
@@ -249,7 +249,7 @@ func (r *RateLimitPolicyReconciler) leavePools(ctx context.Context, p *v1alpha1.
 		if err != nil && !apierrors.IsNotFound(err) {
 			return &failure{errApply, fmt.Errorf("remove the policy's config %s from its former pool: %w", cm.Name, err)}
 		}
-		log.FromContext(ctx).Info("Removed the policy's config from a pool it left", "configMap", klog.KObj(cm))
+		logf.FromContext(ctx).Info("Removed the policy's config from a pool it left", "configMap", klog.KObj(cm))
 	}
 	return nil
 }

@@ -266,7 +266,7 @@ func ruleCounts(p *v1alpha1.RateLimitPolicy, counts map[string]report.Counters) 
 			continue
 		}
 		rs := v1alpha1.RuleStatus{Name: rule.Name, Allowed: int64(c.Allowed), Limited: int64(c.Limited + c.ShadowLimited),
-			Failed: int64(c.FailedOpen + c.FailedClosed)}
+			Failed: int64(c.FailedOpen + c.FailedClosed), Skipped: int64(c.Skipped), Charged: int64(c.Charged)}
 		rs.LimitedShare = share(c.Limited+c.ShadowLimited, c.Allowed+c.Limited+c.ShadowLimited)
 		if rule.Mode != v1alpha1.ModeShadow {
 			decided += c.Allowed + c.Limited

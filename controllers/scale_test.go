@@ -15,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -60,7 +61,7 @@ func BenchmarkThousandPoliciesReachProgrammed(b *testing.B) {
 		}
 		create.Wait()
 		created := time.Since(start)
-		for {
+		err := poll.Every(200*time.Millisecond, 10*time.Minute, func() error {
 			var list v1alpha1.RateLimitPolicyList
 			if err := k8s.List(context.Background(), &list, client.InNamespace(ns)); err != nil {
 				b.Fatal(err)
@@ -72,7 +73,7 @@ func BenchmarkThousandPoliciesReachProgrammed(b *testing.B) {
 				}
 			}
 			if done == n {
-				break
+				return nil
 			}
 			if os.Getenv("SLUICE_BENCH_DUMP") != "" && time.Since(start) > 60*time.Second {
 				reasons := map[string]int{}
@@ -89,10 +90,10 @@ func BenchmarkThousandPoliciesReachProgrammed(b *testing.B) {
 			if int(time.Since(start).Seconds())%15 == 0 {
 				fmt.Fprintf(os.Stderr, "%v: %d of %d created, %d Programmed\n", time.Since(start).Round(time.Second), len(list.Items), n, done)
 			}
-			if time.Since(start) > 10*time.Minute {
-				b.Fatalf("%d of %d Programmed after 10 minutes", done, n)
-			}
-			time.Sleep(200 * time.Millisecond)
+			return fmt.Errorf("%d of %d Programmed", done, n)
+		})
+		if err != nil {
+			b.Fatal(err)
 		}
 		elapsed := time.Since(start)
 		close(stop)

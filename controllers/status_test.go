@@ -187,18 +187,19 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 }
 
 // Counts of the last minute become status.rules in spec order and the share limited; a shadow
-// rule's would-be refusals count for the rule, not for the policy's share.
+// rule's would-be refusals count for the rule, not for the policy's share; a rule's skipped
+// decisions and responses charged are its own counts.
 func TestComputeStatusWhenRulesDecidedThenCountsAndShares(t *testing.T) {
 	p := &v1alpha1.RateLimitPolicy{Spec: v1alpha1.RateLimitPolicySpec{Rules: []v1alpha1.Rule{
 		{Name: "login"}, {Name: "trial", Mode: v1alpha1.ModeShadow}, {Name: "api"}, {Name: "idle"}}}}
 	obs := observation{counts: map[string]report.Counters{
 		"api":   {Allowed: 90, Limited: 10, FailedOpen: 2, FailedClosed: 1},
 		"trial": {Allowed: 5, ShadowLimited: 15},
-		"login": {Allowed: 0, Limited: 0},
+		"login": {Allowed: 0, Limited: 0, Skipped: 4, Charged: 3}, // charged by the response
 	}}
 	st := computeStatus(p, obs, true, t0)
 	want := []v1alpha1.RuleStatus{
-		{Name: "login"},
+		{Name: "login", Skipped: 4, Charged: 3},
 		{Name: "trial", Allowed: 5, Limited: 15, LimitedShare: "75.0%"},
 		{Name: "api", Allowed: 90, Limited: 10, Failed: 3, LimitedShare: "10.0%"},
 	}

@@ -34,8 +34,8 @@ type connBudget struct {
 	per   map[netip.Addr]int
 }
 
-func newConnBudget(max, perClient int) *connBudget {
-	return &connBudget{max: max, perClient: perClient, per: map[netip.Addr]int{}}
+func newConnBudget(total, perClient int) *connBudget {
+	return &connBudget{max: total, perClient: perClient, per: map[netip.Addr]int{}}
 }
 
 // admit counts a new connection in, or says which bound it is over.

@@ -32,8 +32,9 @@ func trusts(l *limiter.Limiter, peer netip.Addr) bool {
 }
 
 // appendForwardedElement appends the proxy's own Forwarded element for a request from peer
-// with the given Host: for=, host= and proto=, quoted where RFC 7239 wants it.
-func appendForwardedElement(dst []byte, peer netip.Addr, host []byte, proto string) []byte {
+// with the given Host: for=, host= and proto=http (the enforcer's listeners speak cleartext; TLS
+// ends in front of it), quoted where RFC 7239 wants it.
+func appendForwardedElement(dst []byte, peer netip.Addr, host []byte) []byte {
 	dst = append(dst, "for="...)
 	switch {
 	case peer.Is6():
@@ -49,8 +50,7 @@ func appendForwardedElement(dst []byte, peer netip.Addr, host []byte, proto stri
 		dst = append(dst, ";host="...)
 		dst = appendForwardedValue(dst, host)
 	}
-	dst = append(dst, ";proto="...)
-	return append(dst, proto...)
+	return append(dst, ";proto=http"...)
 }
 
 // appendForwardedValue appends v as a token, or as a quoted string when it is not one.
@@ -262,5 +262,5 @@ func setForwarded(out, in http.Header, peer netip.Addr, host string, trusted boo
 	out.Set("X-Forwarded-For", string(peer.AppendTo(xff)))
 	out.Set("X-Forwarded-Host", xfh)
 	out.Set("X-Forwarded-Proto", xfp)
-	out.Set("Forwarded", string(appendForwardedElement(fwd, peer, []byte(host), "http")))
+	out.Set("Forwarded", string(appendForwardedElement(fwd, peer, []byte(host))))
 }

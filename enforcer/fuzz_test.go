@@ -77,10 +77,10 @@ var (
 	bed     *fuzzBed
 )
 
-func fuzzServers(t testing.TB) *fuzzBed {
+func fuzzServers(_ testing.TB) *fuzzBed {
 	bedOnce.Do(func() {
 		b := &fuzzBed{proxy: fasthttputil.NewInmemoryListener(), netProxy: fasthttputil.NewInmemoryListener(), check: fasthttputil.NewInmemoryListener()}
-		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		up := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
 			// As the upstream resolves the path: decoded by net/http, cleaned as a router does,
 			// and matched by whole segments as the rule's Prefix is.
 			if clean := path.Clean("/" + r.URL.Path); clean == "/admin" || strings.HasPrefix(clean, "/admin/") {
@@ -121,6 +121,7 @@ func fuzzServers(t testing.TB) *fuzzBed {
 // exchange writes raw bytes to a listener and reads what comes back until the server closes
 // the connection or stays silent.
 func exchange(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) []byte {
+	t.Helper()
 	c, err := ln.Dial()
 	if err != nil {
 		t.Fatal(err)
@@ -220,6 +221,7 @@ func FuzzProxyH2C(f *testing.F) {
 // connection open after its answer, so waiting for its end would spend the deadline on every
 // input.
 func answered(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) {
+	t.Helper()
 	c, err := ln.Dial()
 	if err != nil {
 		t.Fatal(err)
@@ -419,6 +421,7 @@ func validTarget(s string) bool {
 // endpoint gets the target as nginx builds X-Original-URL, after a client's Host whose port does
 // not parse, and its 403 is read as the 429 it stands for.
 func frontEnds(t *testing.T) []func(method, target, key string) int {
+	t.Helper()
 	b := fuzzServers(t) // for its upstream and for the policies
 	fresh := func() *limiter.Limiter {
 		l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
@@ -531,7 +534,7 @@ func FuzzForwarded(f *testing.F) {
 			t.Fatalf("%q: proto %q is not a scheme", v, proto)
 		}
 		peer := netip.MustParseAddr("2001:db8::1")
-		joined := string(appendForwardedElement([]byte(v+", "), peer, []byte("h"), "http"))
+		joined := string(appendForwardedElement([]byte(v+", "), peer, []byte("h")))
 		if len(joined) <= maxForwardedBytes {
 			h2, p2, ok2 := forwardedFirst(joined)
 			if !ok2 || h2 != host || p2 != proto {
@@ -539,7 +542,7 @@ func FuzzForwarded(f *testing.F) {
 			}
 		}
 		if host != "" && !strings.ContainsAny(host, "\x00\r\n\x7f") {
-			own := string(appendForwardedElement(nil, peer, []byte(host), "http"))
+			own := string(appendForwardedElement(nil, peer, []byte(host)))
 			if h3, p3, ok3 := forwardedFirst(own); len(own) <= maxForwardedBytes && (!ok3 || h3 != host || p3 != "http") {
 				t.Fatalf("the proxy's element %q for host %q read back as %q %q %v", own, host, h3, p3, ok3)
 			}

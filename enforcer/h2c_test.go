@@ -39,12 +39,12 @@ func dialH2C(t *testing.T, addr string) *h2cConn {
 	return c
 }
 
-// send opens a stream with a request of no body and returns its ID.
-func (c *h2cConn) send(method, path string, header ...string) uint32 {
+// send opens a stream with a GET of no body and returns its ID.
+func (c *h2cConn) send(path string, header ...string) uint32 {
 	c.t.Helper()
 	var block bytes.Buffer
 	enc := hpack.NewEncoder(&block)
-	fields := append([]string{":method", method, ":scheme", "http", ":authority", "enforcer", ":path", path}, header...)
+	fields := append([]string{":method", "GET", ":scheme", "http", ":authority", "enforcer", ":path", path}, header...)
 	for i := 0; i+1 < len(fields); i += 2 {
 		_ = enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
 	}
@@ -89,10 +89,10 @@ func (c *h2cConn) status(id uint32) int {
 	}
 }
 
-// h2cStatus sends one request on a connection of its own and returns the status.
-func h2cStatus(t *testing.T, addr, method, path string, header ...string) int {
+// h2cStatus sends one GET on a connection of its own and returns the status.
+func h2cStatus(t *testing.T, addr, path string, header ...string) int {
 	t.Helper()
 	c := dialH2C(t, addr)
 	defer func() { _ = c.conn.Close() }()
-	return c.status(c.send(method, path, header...))
+	return c.status(c.send(path, header...))
 }

@@ -41,7 +41,7 @@ func TestEnforcerWhenARequestPanicsThenItIs500AndEveryServerServesOn(t *testing.
 			if s := get(t, e.proxy+"/").StatusCode; s != http.StatusInternalServerError {
 				t.Errorf("proxy over HTTP/1.1: %d, want 500", s)
 			}
-			if s := h2cStatus(t, e.ProxyAddr, "GET", "/"); s != http.StatusInternalServerError {
+			if s := h2cStatus(t, e.ProxyAddr, "/"); s != http.StatusInternalServerError {
 				t.Errorf("proxy over h2c: %d, want 500", s)
 			}
 		case "check":
@@ -88,7 +88,7 @@ func TestProxyWhenAKeyHeaderIsRepeatedThen400AndNothingIsCharged(t *testing.T) {
 	if s := rawStatus(t, e.ProxyAddr, fmt.Sprintf(twice, 1)); s != http.StatusBadRequest {
 		t.Errorf("proxy: %d, want 400", s)
 	}
-	if s := h2cStatus(t, e.ProxyAddr, "GET", "/", "x-api-key", "alice", "x-api-key", "new-2"); s != http.StatusBadRequest {
+	if s := h2cStatus(t, e.ProxyAddr, "/", "x-api-key", "alice", "x-api-key", "new-2"); s != http.StatusBadRequest {
 		t.Errorf("proxy over h2c: %d, want 400", s)
 	}
 	chk := "GET /forward-auth HTTP/1.1\r\nHost: c\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: /\r\nX-Api-Key: alice\r\nX-Api-Key: new\r\nConnection: close\r\n\r\n"
@@ -168,7 +168,7 @@ func TestEnforcerWhenConnectionsPassTheirBoundsThenTheExtraOnesAreRefused(t *tes
 
 func TestProxyWhenAClientStopsReadingThenItsConnectionIsCutAfterTheWriteTimeout(t *testing.T) {
 	chunk := []byte(strings.Repeat("x", 64<<10))
-	big := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	big := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		for range 4096 { // 256 MiB, far past every socket buffer
 			if _, err := w.Write(chunk); err != nil {
 				return
@@ -190,7 +190,7 @@ func TestProxyWhenAClientStopsReadingThenItsConnectionIsCutAfterTheWriteTimeout(
 		if proto == "h2c" {
 			_ = c.Close()
 			h := dialH2C(t, e.ProxyAddr)
-			h.send("GET", "/big")
+			h.send("/big")
 		} else {
 			defer func() { _ = c.Close() }()
 			_, _ = io.WriteString(c, "GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -385,7 +385,7 @@ func TestEnforcerWhenClientsLeaveWhileDecidedOrHeldThenTheyAreCountedApart(t *te
 
 	srv.Pause()
 	c := dialH2C(t, e.ProxyAddr)
-	id := c.send("GET", "/any")
+	id := c.send("/any")
 	_ = c.fr.WriteRSTStream(id, http2.ErrCodeCancel)
 	_ = c.fr.WritePing(false, [8]byte{'l', 'e', 'f', 't'})
 	for {
@@ -405,10 +405,10 @@ func TestEnforcerWhenClientsLeaveWhileDecidedOrHeldThenTheyAreCountedApart(t *te
 	}
 
 	c = dialH2C(t, e.ProxyAddr)
-	if s := c.status(c.send("GET", "/queue")); s != http.StatusOK {
+	if s := c.status(c.send("/queue")); s != http.StatusOK {
 		t.Fatalf("the first queued request: %d", s)
 	}
-	_ = c.fr.WriteRSTStream(c.send("GET", "/queue"), http2.ErrCodeCancel) // held for an hour
+	_ = c.fr.WriteRSTStream(c.send("/queue"), http2.ErrCodeCancel) // held for an hour
 	waitUntil(t, "the reset of a held h2c request is counted", func() bool { return left() == 2 })
 
 	conn, err := net.Dial("tcp", e.ProxyAddr)

@@ -16,6 +16,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/internal/algorithm"
 	"github.com/sluice-dev/sluice/internal/policy"
 )
 
@@ -69,6 +70,12 @@ func describe(res *limiter.Result) problem {
 	case res.Never:
 		p.Type, p.Title, p.Status, p.RetryAfter = "https://sluice.dev/problems/never-passes", "Too Many Requests", http.StatusTooManyRequests, 0
 		p.Detail = "the request's cost exceeds what rate limit " + strconv.Quote(p.Rule) + " can ever admit; it can never pass"
+	case res.Rule != nil && res.Rule.Limit.Kind == algorithm.Concurrency:
+		// No clock frees a slot: Retry-After is the shortest the field says, 1, a time to try
+		// again rather than a promise.
+		p.Type, p.Title, p.Status = "https://sluice.dev/problems/concurrency-limited", "Too Many Requests", http.StatusTooManyRequests
+		p.Detail = "concurrency limit " + strconv.Quote(p.Rule) + " allows " + strconv.FormatInt(res.Rule.Limit.Limit, 10) +
+			" requests in flight; one frees when a request ends, so no time is promised"
 	default:
 		p.Type, p.Title, p.Status = "https://sluice.dev/problems/rate-limited", "Too Many Requests", http.StatusTooManyRequests
 		p.Detail = "rate limit " + strconv.Quote(p.Rule) + " exceeded; retry after " + strconv.FormatInt(retry, 10) + "s"
@@ -122,11 +129,17 @@ func newProxy(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper
 		FlushInterval: 0,
 		// Without a pool, every response allocates a fresh 32 KiB copy buffer.
 		BufferPool: &bufferPool{},
+		ModifyResponse: func(resp *http.Response) error {
+			note(resp.Request.Context(), resp, resp.StatusCode)
+			return nil
+		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if r.Context().Err() != nil {
+				note(r.Context(), nil, 0)
 				return // the client left: nobody reads an answer, and the upstream did not fail
 			}
 			status := m.failed(err)
+			note(r.Context(), nil, status)
 			log.V(1).Info("Upstream request failed", "error", err.Error(), "status", status)
 			if isGRPC(r.Header) {
 				writeGRPCStatus(w.Header(), grpcCode(status), http.StatusText(status)+": "+abbreviate(err.Error()))
@@ -192,8 +205,9 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		removeConnectionNamed(r.Header)
 	}
 	// RequestURI is the target as received (HTTP/2's :path), before net/http's own reading.
-	v := decide(p.limiter, &input{method: r.Method, target: r.RequestURI, header: r.Header, peer: peerAddr(r), gone: r.Context().Done()})
+	v := decide(p.limiter, &input{method: r.Method, target: r.RequestURI, header: r.Header, peer: peerAddr(r), gone: r.Context().Done(), seesResponse: true})
 	if r.Context().Err() != nil {
+		v.owed().drop()
 		return // the client left while its request was decided, and was counted: nobody reads an answer
 	}
 	if v.status != http.StatusOK && isGRPC(r.Header) {
@@ -207,12 +221,51 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !hold(p.limiter, v.Wait, r.Context().Done()) {
+		v.owed().drop()
 		return
 	}
 	if c, ok := r.Context().Value(connKey{}).(net.Conn); ok && p.writeTimeout > 0 {
 		w = &progressWriter{ResponseWriter: w, conn: c, timeout: p.writeTimeout}
 	}
-	p.rp.ServeHTTP(w, r)
+	o := v.owed()
+	if !o.owes() {
+		p.rp.ServeHTTP(w, r)
+		return
+	}
+	// ServeHTTP returns once the response is complete (its body and trailers copied, or an
+	// upgraded connection ended), or its client gone, which cancels the upstream request too;
+	// it panics (http.ErrAbortHandler) when the client leaves mid-body: deferred, the end comes
+	// either way.
+	n := &responseNote{}
+	defer func() { o.end(n.result()) }()
+	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), noteKey{}, n)))
+}
+
+// responseNote is what an owing request's response was, for its end: the upstream's response
+// (ModifyResponse), or the status the proxy answered when the upstream failed (ErrorHandler);
+// neither when the client left first.
+type responseNote struct {
+	resp   *http.Response
+	status int
+}
+
+type noteKey struct{}
+
+// note records on the request's note, if it has one, what its response was.
+func note(ctx context.Context, resp *http.Response, status int) {
+	if n, ok := ctx.Value(noteKey{}).(*responseNote); ok {
+		n.resp, n.status = resp, status
+	}
+}
+
+// result is the response's status and a reader of its fields, header and trailer.
+func (n *responseNote) result() (int, func(string) []string) {
+	if n.resp == nil {
+		return n.status, nil
+	}
+	return n.resp.StatusCode, func(name string) []string {
+		return append(append([]string(nil), n.resp.Header.Values(name)...), n.resp.Trailer.Values(name)...)
+	}
 }
 
 // upgradeOf is the protocol a request asks to switch to, "" if none.

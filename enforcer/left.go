@@ -59,3 +59,58 @@ func holdConn(c net.Conn, wait time.Duration) bool {
 	}
 	return true
 }
+
+// clientWatch watches a client's connection while its request is forwarded, and closes the
+// request's upstream connection as soon as the client leaves (the end of its stream, or a
+// reset), seen with MSG_PEEK as holdConn sees it, consuming nothing. fasthttp reads nothing of
+// the connection meanwhile: it reads the next request only once the response is written. A
+// connection that has bytes waiting (a pipelined request) cannot tell: the watch then ends
+// without a verdict.
+type clientWatch struct {
+	client net.Conn
+	raw    syscall.RawConn
+	gone   bool
+	done   chan struct{}
+}
+
+// watchClient starts watching client for up's sake; a client that is no socket is not watched.
+func watchClient(client, up net.Conn) *clientWatch {
+	w := &clientWatch{client: client, done: make(chan struct{})}
+	sc, ok := client.(syscall.Conn)
+	if ok {
+		w.raw, _ = sc.SyscallConn()
+	}
+	if w.raw == nil {
+		close(w.done)
+		return w
+	}
+	go func() {
+		defer close(w.done)
+		var b [1]byte
+		_ = w.raw.Read(func(fd uintptr) bool {
+			n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+			switch {
+			case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
+				return false // nothing yet: wait for readability, or for stop's deadline
+			case err != nil || n == 0:
+				w.gone = true // a reset, or the end of the stream
+			}
+			return true
+		})
+		if w.gone {
+			_ = up.Close()
+		}
+	}()
+	return w
+}
+
+// stop ends the watch, and reports whether the client left. The connection's read deadline is
+// clear again after it, for the server to set its own.
+func (w *clientWatch) stop() bool {
+	if w.raw != nil {
+		_ = w.client.SetReadDeadline(time.Unix(1, 0)) // wakes the watch's read
+		<-w.done
+		_ = w.client.SetReadDeadline(time.Time{})
+	}
+	return w.gone
+}

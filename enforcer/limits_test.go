@@ -93,7 +93,7 @@ func TestEnforcerWhenATargetIsOneBytePast8KiBThenEveryFrontEndAnswers414(t *test
 		if s := rawStatus(t, e.ProxyAddr, "GET http://shop.example:8080"+tc.target+" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); s != tc.want {
 			t.Errorf("proxy, an absolute URI with a path and query of %d bytes: %d, want %d", n, s, tc.want)
 		}
-		if s := h2cStatus(t, e.ProxyAddr, "GET", tc.target); s != tc.want {
+		if s := h2cStatus(t, e.ProxyAddr, tc.target); s != tc.want {
 			t.Errorf("proxy over h2c, a :path of %d bytes: %d, want %d", n, s, tc.want)
 		}
 		if s := get(t, e.check+enforcer.AuthRequestPath, "X-Original-Method", "GET", "X-Original-Url", "http://shop.example:8080"+tc.target).StatusCode; s != tc.want {
@@ -215,7 +215,7 @@ func TestEnforcerWhenAConnectionIdlesPastTheIdleTimeoutThenEveryListenerClosesIt
 func TestProxyWhenAnH2CClientOpensMoreStreamsThanTheBoundThenTheExtraOneIsReset(t *testing.T) {
 	release := make(chan struct{})
 	var arrived atomic.Int64
-	up := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	up := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {
 		arrived.Add(1)
 		<-release
 	}))}
@@ -230,7 +230,7 @@ func TestProxyWhenAnH2CClientOpensMoreStreamsThanTheBoundThenTheExtraOneIsReset(
 	e := start(t, policyDoc("streams", anyRule), up, nil)
 	c := dialH2C(t, e.ProxyAddr)
 	for range 101 {
-		c.send("GET", "/held")
+		c.send("/held")
 	}
 	const extra = 2*100 + 1 // the 101st stream's ID
 	answered := 0

@@ -5,7 +5,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -138,24 +137,14 @@ func rawStatus(t *testing.T, addr, request string) int {
 func startNginx(t *testing.T, conf string) {
 	t.Helper()
 	tier.Needs(t, "nginx")
-	bin, err := exec.LookPath("nginx")
-	if err != nil {
-		t.Fatalf("the tests need nginx (hack/ensure-nginx.sh): %v", err)
-	}
 	dir := t.TempDir()
-	conf = strings.ReplaceAll(conf, "{{dir}}", dir)
-	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(conf), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(bin, "-p", dir, "-c", "nginx.conf", "-g", "daemon off;")
-	out := &strings.Builder{}
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
+	out := &local.Output{}
+	p, err := local.Nginx(out, dir, strings.ReplaceAll(conf, "{{dir}}", dir))
+	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
+		p.Stop()
 		if t.Failed() {
 			log, _ := os.ReadFile(filepath.Join(dir, "error.log"))
 			t.Logf("nginx: %s\nerror.log:\n%s", out, log)

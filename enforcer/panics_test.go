@@ -13,7 +13,7 @@ import (
 // client that can make a request panic cannot also flood the log.
 func TestPanicsWhenManyAreRecoveredThenEachIsCountedAndOneAMinuteLogged(t *testing.T) {
 	var logged []string
-	log := funcr.New(func(prefix, args string) { logged = append(logged, args) }, funcr.Options{})
+	log := funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{})
 	p := newPanics(prometheus.NewRegistry(), log)
 	for range 100 {
 		p.recovered("proxy", "boom")

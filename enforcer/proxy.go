@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -99,24 +100,36 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	// before it is forwarded, so it is removed before it is decided too.
 	removeHopHeaders(&req.Header)
 	v := decide(p.limiter, &input{
-		method: b2s(req.Header.Method()),
-		target: b2s(req.Header.RequestURI()),
-		header: fastHeader{&req.Header},
-		peer:   remoteAddr(ctx),
+		method:       b2s(req.Header.Method()),
+		target:       b2s(req.Header.RequestURI()),
+		header:       fastHeader{&req.Header},
+		peer:         remoteAddr(ctx),
+		seesResponse: true,
 	})
 	if v.status != http.StatusOK {
 		ctx.SetStatusCode(v.status)
 		ctx.SetBody(v.write(resp.Set))
 		return
 	}
+	if o := v.owed(); o.owes() {
+		// Every path below ends the request once, some of them after the handler returns; a
+		// panic on the way ends it here, before the panic is answered 500.
+		defer func() {
+			if r := recover(); r != nil {
+				o.end(0, nil)
+				panic(r)
+			}
+		}()
+	}
 	if !holdConn(ctx.Conn(), v.Wait) {
 		p.limiter.Left()
+		v.owed().drop()
 		ctx.SetConnectionClose() // the client has gone: nobody reads an answer
 		return
 	}
 	p.rewrite(ctx, req)
 	if upgrade != "" {
-		p.upgrade(ctx, upgrade)
+		p.upgrade(ctx, upgrade, v.owed())
 		return
 	}
 	// The body of a long upload arrives while the request is forwarded, past the deadline the
@@ -124,7 +137,11 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	if req.IsBodyStream() {
 		_ = ctx.Conn().SetReadDeadline(time.Time{})
 	}
-	if err := p.client.Do(req, &ctx.Response); err != nil {
+	if o := v.owed(); o.holds() {
+		p.forwardHeld(ctx, req, o)
+	} else if o.owes() {
+		p.forwardOwing(ctx, req, o)
+	} else if err := p.client.Do(req, &ctx.Response); err != nil {
 		ctx.Response.Reset()
 		ctx.SetStatusCode(p.metrics.failed(err))
 		p.log.V(1).Info("Upstream request failed", "error", err.Error())
@@ -136,6 +153,164 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 		// fasthttp keeps a connection's request buffers at their largest while it idles: a
 		// connection that carried a large header block is closed, not kept holding them.
 		ctx.SetConnectionClose()
+	}
+}
+
+// forwardOwing forwards a request that owes the charges of its response, on the pooled client,
+// through an upstream response of its own, whose body stream the client's response reads
+// through owedBody: fasthttp closes that stream once its last byte is written to the client, or
+// once writing to the client fails, and the request ends then (owed.end), with the response's
+// status and fields, trailers included. A response without a body ends it at once. A pooled
+// request cannot be cancelled: one whose client left is charged by the response the upstream
+// gives all the same. Requests that hold slots go by forwardHeld.
+func (p *fastProxy) forwardOwing(ctx *fasthttp.RequestCtx, req *fasthttp.Request, v owed) {
+	up := fasthttp.AcquireResponse()
+	if err := p.client.Do(req, up); err != nil {
+		fasthttp.ReleaseResponse(up)
+		ctx.Response.Reset()
+		status := p.metrics.failed(err)
+		ctx.SetStatusCode(status)
+		p.log.V(1).Info("Upstream request failed", "error", err.Error())
+		v.end(status, nil)
+		return
+	}
+	up.Header.CopyTo(&ctx.Response.Header)
+	if up.BodyStream() == nil {
+		ctx.Response.SetBody(up.Body())
+		v.end(up.StatusCode(), fastFields(&up.Header))
+		fasthttp.ReleaseResponse(up)
+		return
+	}
+	ctx.Response.SetBodyStream(&owedBody{up: up, client: &ctx.Response.Header, v: v}, up.Header.ContentLength())
+}
+
+// forwardHeld forwards a request that holds a concurrency slot on an upstream connection of its
+// own, which the pooled client cannot give, so that the request's work at the upstream ends
+// when its client leaves: from the moment the request is sent to the end of its response, the
+// client's connection is watched (clientWatch), and a client that leaves closes the upstream
+// connection, ending the request there, and its slot is freed at once. The response is relayed
+// as forwardOwing relays it. A request that holds a slot is one of a few in flight, so a
+// connection of its own costs little.
+func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request, o owed) {
+	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := p.dialUpgrade(dctx)
+	if err != nil {
+		status := p.metrics.failed(err)
+		ctx.SetStatusCode(status)
+		o.end(status, nil)
+		return
+	}
+	// The upstream connection is this request's alone: Connection: close on it, but not on the
+	// client's, which the server reads to keep the client's connection alive.
+	closes := req.Header.ConnectionClose()
+	req.SetConnectionClose()
+	bw := bufio.NewWriter(conn)
+	err = req.Write(bw)
+	if err == nil {
+		err = bw.Flush()
+	}
+	if !closes {
+		req.Header.ResetConnectionClose()
+	}
+	if err != nil {
+		_ = conn.Close()
+		ctx.SetStatusCode(http.StatusBadGateway)
+		o.end(http.StatusBadGateway, nil)
+		return
+	}
+	watch := watchClient(ctx.Conn(), conn)
+	up := fasthttp.AcquireResponse()
+	up.StreamBody, up.SkipBody = true, req.Header.IsHead()
+	if p.headerTimeout > 0 {
+		_ = conn.SetReadDeadline(time.Now().Add(p.headerTimeout))
+	}
+	if err := up.Read(bufio.NewReader(conn)); err != nil {
+		gone := watch.stop()
+		_ = conn.Close()
+		fasthttp.ReleaseResponse(up)
+		if gone {
+			p.limiter.Left()
+			ctx.SetConnectionClose() // nobody reads an answer
+			o.end(0, nil)
+			return
+		}
+		status := p.metrics.failed(err)
+		ctx.SetStatusCode(status)
+		p.log.V(1).Info("Upstream request failed", "error", err.Error())
+		o.end(status, nil)
+		return
+	}
+	_ = conn.SetReadDeadline(time.Time{}) // a streamed response may last any time
+	up.Header.CopyTo(&ctx.Response.Header)
+	if up.BodyStream() == nil {
+		watch.stop()
+		_ = conn.Close()
+		o.end(up.StatusCode(), fastFields(&up.Header))
+		fasthttp.ReleaseResponse(up)
+		return
+	}
+	ctx.Response.SetBodyStream(&owedBody{up: up, client: &ctx.Response.Header, v: o, conn: conn, watch: watch}, up.Header.ContentLength())
+}
+
+// owedBody relays an upstream response's body to the client's response, and its trailers once
+// it ends, and ends the request when fasthttp closes it; with forwardHeld, it stops watching
+// the client then, and closes the request's own upstream connection.
+type owedBody struct {
+	up     *fasthttp.Response
+	client *fasthttp.ResponseHeader
+	v      owed
+	conn   net.Conn
+	watch  *clientWatch
+}
+
+func (b *owedBody) Read(buf []byte) (int, error) {
+	n, err := b.up.BodyStream().Read(buf)
+	if errors.Is(err, io.EOF) {
+		// The upstream's trailers have been read into its header: the client's response
+		// announced them (the copied header), and writes them after the body.
+		for name := range b.up.Header.Trailers() {
+			for i, value := range b.up.Header.PeekAll(string(name)) {
+				if i == 0 {
+					b.client.SetBytesKV(name, value)
+				} else {
+					b.client.AddBytesKV(name, value)
+				}
+			}
+		}
+	}
+	return n, err
+}
+
+// CloseWithError is how fasthttp closes the stream, with the error that stopped its write to
+// the client, if any.
+func (b *owedBody) CloseWithError(err error) error {
+	if b.watch != nil {
+		b.watch.stop() // before the server reads the client's next request
+	}
+	b.v.end(b.up.StatusCode(), fastFields(&b.up.Header))
+	var cerr error
+	if s, ok := b.up.BodyStream().(fasthttp.ReadCloserWithError); ok {
+		cerr = s.CloseWithError(err)
+	} else {
+		cerr = b.up.CloseBodyStream()
+	}
+	if b.conn != nil {
+		_ = b.conn.Close()
+	}
+	fasthttp.ReleaseResponse(b.up)
+	return cerr
+}
+
+// fastFields reads a response field's values from a fasthttp response header, trailers
+// included, as copies.
+func fastFields(h *fasthttp.ResponseHeader) func(name string) []string {
+	return func(name string) []string {
+		var values []string
+		for _, v := range h.PeekAll(name) {
+			values = append(values, string(v))
+		}
+		return values
 	}
 }
 
@@ -189,7 +364,7 @@ func (p *fastProxy) rewrite(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
 		}
 	}
 	xff = peer.AppendTo(xff)
-	fwd = appendForwardedElement(fwd, peer, host, "http")
+	fwd = appendForwardedElement(fwd, peer, host)
 	h.SetBytesV("X-Forwarded-For", xff)
 	h.SetBytesV("X-Forwarded-Host", xfh)
 	h.SetBytesV("X-Forwarded-Proto", xfp)
@@ -248,13 +423,16 @@ func upgradeType(h *fasthttp.RequestHeader) string {
 }
 
 // upgrade forwards a request that asks to switch protocols on a connection of its own, and once
-// the upstream answers, splices the two connections both ways until either side ends.
-func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
+// the upstream answers, splices the two connections both ways until either side ends; the
+// request ends then (v.end), an upgraded connection holding its concurrency slot to its end.
+func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string, v owed) {
 	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	up, err := p.dialUpgrade(dctx)
 	if err != nil {
-		ctx.SetStatusCode(p.metrics.failed(err))
+		status := p.metrics.failed(err)
+		ctx.SetStatusCode(status)
+		v.end(status, nil)
 		return
 	}
 	req := &ctx.Request
@@ -264,13 +442,19 @@ func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
 	if err := req.Write(bw); err != nil || bw.Flush() != nil {
 		_ = up.Close()
 		ctx.SetStatusCode(http.StatusBadGateway)
+		v.end(http.StatusBadGateway, nil)
 		return
 	}
 	// The connection belongs to the two ends once the upstream switches protocols; until then it
 	// is HTTP, and an upstream that answers anything but 101 gets its answer relayed and the
 	// connection closed, so that no later request on it bypasses the limits.
 	ctx.HijackSetNoResponse(true)
+	// The request ends when the function ends: fasthttp runs it once the handler returns (it
+	// would not only if it could not clear the connection's deadlines, a connection it closed
+	// itself; the lease then lasts to its timeout).
+	status, fields := 0, (func(string) []string)(nil)
 	ctx.Hijack(func(client net.Conn) {
+		defer func() { v.end(status, fields) }()
 		defer p.panics.goroutine("proxy")
 		defer func() { _ = up.Close() }()
 		br := bufio.NewReader(up)
@@ -279,11 +463,12 @@ func (p *fastProxy) upgrade(ctx *fasthttp.RequestCtx, protocol string) {
 		}
 		resp, err := http.ReadResponse(br, nil)
 		if err != nil {
-			if status := p.metrics.failed(err); status == http.StatusGatewayTimeout {
+			if status = p.metrics.failed(err); status == http.StatusGatewayTimeout {
 				_, _ = io.WriteString(client, "HTTP/1.1 504 Gateway Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
 			}
 			return
 		}
+		status, fields = resp.StatusCode, resp.Header.Values
 		_ = up.SetReadDeadline(time.Time{}) // the upgraded connection may idle any time
 		defer func() { _ = resp.Body.Close() }()
 		if resp.StatusCode != http.StatusSwitchingProtocols {

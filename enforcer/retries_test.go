@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
 )
 
 // Through the proxy, on memory and Redis: a client whose response was lost retries with the same
@@ -105,9 +107,10 @@ func TestProxyWhenRetryAfterJitterIsOnThenRefusedClientsAreSpread(t *testing.T) 
 
 // With jitter on, Retry-After is still honest: a request sent when it says passes.
 func TestProxyWhenJitterIsOnThenARequestAtTheAdvertisedTimePasses(t *testing.T) {
+	clk := clocktesting.NewFakeClock(time.Now())
 	e := start(t, policyDoc("jitter-honest", `    - name: slow
       slidingLog: {limit: 2, window: 1500ms}
-`, "  retries:\n    retryAfterJitterPercent: 100\n"), newUpstream(t), nil)
+`, "  retries:\n    retryAfterJitterPercent: 100\n"), newUpstream(t), nil, onClock(clk))
 	get(t, e.proxy+"/")
 	get(t, e.proxy+"/")
 	resp := get(t, e.proxy+"/")
@@ -115,7 +118,7 @@ func TestProxyWhenJitterIsOnThenARequestAtTheAdvertisedTimePasses(t *testing.T) 
 	if resp.StatusCode != http.StatusTooManyRequests || ra < 2 || ra > 3 {
 		t.Fatalf("third request: %d, Retry-After %d; want 429 and 2-3 s (1.5 s plus up to 100%%)", resp.StatusCode, ra)
 	}
-	time.Sleep(time.Duration(ra) * time.Second)
+	clk.Step(time.Duration(ra) * time.Second)
 	if resp := get(t, e.proxy+"/"); resp.StatusCode != http.StatusOK {
 		t.Errorf("at the advertised time: %d, want 200", resp.StatusCode)
 	}

@@ -514,7 +514,8 @@ func (e *Enforcer) stop(delay time.Duration) {
 	if e.adminShutdown != nil {
 		_ = e.adminShutdown(drain)
 	}
-	e.wg.Wait() // the servers and the policy watch have returned
+	e.wg.Wait()                 // the servers and the policy watch have returned
+	_ = e.limiter.Settle(drain) // the drained requests' ends (leases, response charges) reach the store
 	e.err = errors.Join(e.err, e.store.Close())
 	e.cfg.Log.Info("Stopped")
 }

@@ -26,7 +26,14 @@ import (
 //     target that is not a path or an absolute URI, or holds a '#', 400;
 //   - the method, upper-cased: a rule for GET also decides "get";
 //   - the identity: the limiter's ClientAddr and ClientKey, where a repeated key header is 400;
-//   - the verdict's status and fields (verdict.write), and the hold of a queued request (hold).
+//   - the verdict's status and fields (verdict.write), and the hold of a queued request (hold);
+//   - for the proxies, which see responses (input.seesResponse), what an admitted request owes
+//     when it ends: the limiter takes the leases of its concurrency rules with the decision and
+//     renews them while it lasts, and the proxy tells its end once, through verdict.end (the
+//     response's last byte, an upgraded connection's end, or its client gone) or verdict.drop
+//     (never forwarded), which releases the leases and charges the rules charged by the
+//     response, in one store call in the background. The check API and RLS cannot see a
+//     response end: the limiter skips such rules for them, and counts them skipped.
 //
 // A front end keeps only what its protocol needs: where the method and target come from, the
 // nginx endpoint's statuses, the gRPC codes. docs/enforcer.md lists what still differs.
@@ -47,6 +54,9 @@ type input struct {
 	// HTTP/1.1 connection under net/http. Nil where it cannot tell without reading the connection
 	// (fasthttp's HTTP/1.1, which learns it while holding a queued request, see holdConn).
 	gone <-chan struct{}
+	// seesResponse is true for the proxies, which end every request they admit (owed.end or
+	// owed.drop): only they decide concurrency rules and rules charged by the response.
+	seesResponse bool
 }
 
 // verdict is the seam's answer.
@@ -70,7 +80,7 @@ func (in *input) request() (limiter.Request, *verdict) {
 	if bad != nil {
 		return limiter.Request{}, bad
 	}
-	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer, Policy: in.policy}, nil
+	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer, Policy: in.policy, SeesResponse: in.seesResponse}, nil
 }
 
 // decide decides one HTTP request, detached from its client; a client that left meanwhile is
@@ -90,6 +100,31 @@ func decide(l *limiter.Limiter, in *input) verdict {
 	}
 	return v
 }
+
+// owed is what an admitted request owes when it ends (its limiter.Pending), which a proxy keeps
+// past the decision: a pointer, so that keeping it moves no verdict to the heap.
+type owed struct{ p *limiter.Pending }
+
+// owed is what the verdict's request owes; nothing for a refusal.
+func (v *verdict) owed() owed { return owed{v.Pending} }
+
+// end ends an admitted request once its response is complete, with its status and a reader of a
+// response field's values (header and trailer, copied), or once its client is gone before its
+// response (status 0, fields nil): its leases are released and the rules charged by the
+// response charged. The proxies call end or drop exactly once per admitted request; a request
+// that owes nothing ignores both.
+func (o owed) end(status int, fields func(name string) []string) { o.p.End(status, fields) }
+
+// drop ends an admitted request that was never forwarded: its leases are released, and nothing
+// is charged.
+func (o owed) drop() { o.p.Drop() }
+
+// owes reports whether the request owes anything at its end.
+func (o owed) owes() bool { return o.p != nil }
+
+// holds reports whether the request holds concurrency slots, which its work at the upstream
+// should not outlive: a proxy that can, ends that work when its client leaves.
+func (o owed) holds() bool { return o.p.Holds() }
 
 // judge gives a limiter's result its HTTP status.
 func judge(res limiter.Result) verdict {

@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/enforcer"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -91,13 +92,13 @@ func verdict(err error) string {
 // while the API server is briefly unavailable.
 func createDryRun(ctx context.Context, u *unstructured.Unstructured) error {
 	var err error
-	for range 3 {
+	_ = poll.Until(30*time.Second, func() error {
 		err = k8s.Create(ctx, u.DeepCopy(), client.DryRunAll, client.FieldValidation("Strict"))
-		if err == nil || !strings.Contains(err.Error(), "connection refused") {
-			return err
+		if err != nil && strings.Contains(err.Error(), "connection refused") {
+			return err // again
 		}
-		time.Sleep(time.Second)
-	}
+		return nil // a verdict
+	})
 	return err
 }
 

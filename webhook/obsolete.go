@@ -6,7 +6,7 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 )
 
 // ObsoleteDefaultingWebhook is the MutatingWebhookConfiguration that earlier versions installed
@@ -32,9 +32,9 @@ func (r RemoveObsolete) Start(ctx context.Context) error {
 	cfg := &admissionregistrationv1.MutatingWebhookConfiguration{ObjectMeta: metav1.ObjectMeta{Name: r.Name}}
 	switch err := r.Client.Delete(ctx, cfg); {
 	case err == nil:
-		log.FromContext(ctx).Info("Deleted the obsolete defaulting webhook configuration of an earlier version", "name", r.Name)
+		logf.FromContext(ctx).Info("Deleted the obsolete defaulting webhook configuration of an earlier version", "name", r.Name)
 	case client.IgnoreNotFound(err) != nil:
-		log.FromContext(ctx).Error(err, "Unable to delete the obsolete defaulting webhook configuration; delete it by hand, or writes of policies fail", "name", r.Name)
+		logf.FromContext(ctx).Error(err, "Unable to delete the obsolete defaulting webhook configuration; delete it by hand, or writes of policies fail", "name", r.Name)
 	}
 	return nil
 }

@@ -33,6 +33,7 @@ func Warnings(p *v1alpha1.RateLimitPolicy) []string {
 				ruleRef(i, r.Name), r.Limit.Limit, smallCounterLimit, smallCounterLimit))
 		}
 	}
+	out = append(out, responseWarnings(p, c)...)
 	if shadow == len(c.Rules) {
 		out = append(out, "spec.rules: every rule is in Shadow mode, so this policy counts requests but never refuses one")
 	}
@@ -48,6 +49,41 @@ func Warnings(p *v1alpha1.RateLimitPolicy) []string {
 	return out
 }
 
+// responseWarnings says, of every rule that needs to see its response end, that the front ends
+// that cannot (the check API that ingresses call, and Envoy's rate limit service) skip it; and
+// of a rule charged by the response with no concurrency rule over the same requests and clients,
+// that what is in flight when its limit is reached passes beyond it.
+func responseWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
+	var out []string
+	rls := ""
+	if e := p.Spec.Enforcer; e != nil && e.RateLimitService != nil && e.RateLimitService.Enabled {
+		rls = ", which this policy serves,"
+	}
+	for i, r := range c.Rules {
+		if !r.SeesResponse() {
+			continue
+		}
+		what := "is a concurrency rule, whose slots are freed when responses end"
+		if r.OnResponse {
+			what = "is charged by the response"
+		}
+		out = append(out, fmt.Sprintf("%s %s: only the enforcer's proxy sees a response end; the check API (ingress forward-auth) and Envoy's rate limit service%s skip the rule and count it as skipped",
+			ruleRef(i, r.Name), what, rls))
+		if !r.OnResponse {
+			continue
+		}
+		bounded := false
+		for j, other := range c.Rules {
+			bounded = bounded || other.Limit.Kind == algorithm.Concurrency && reflect.DeepEqual(p.Spec.Rules[j].Match, p.Spec.Rules[i].Match) && reflect.DeepEqual(other.Key, r.Key)
+		}
+		if !bounded {
+			out = append(out, fmt.Sprintf("%s is checked before a request is forwarded and charged after its response, so every request in flight when its limit is reached passes beyond it; a concurrency rule over the same requests and key bounds how many",
+				ruleRef(i, r.Name)))
+		}
+	}
+	return out
+}
+
 // smallCounterLimit is the limit below which a sliding window counter is warned about. Measured
 // by the accuracy benchmark (enforcer/algorithm, docs/benchmarks.md) on smooth traffic: at limits
 // of 1 to 10 the counter admitted 1.5x to 2x its limit in some window-long interval, with its
@@ -55,8 +91,8 @@ func Warnings(p *v1alpha1.RateLimitPolicy) []string {
 // limit costs less than a kilobyte per client, so there is nothing to save by approximating.
 const smallCounterLimit = 20
 
-// burstWarnings finds pairs of rules over the same requests and clients where the shorter one (the
-// burst rule) admits more at once than the longer window rule (the sustained rule) allows in its
+// burstWarnings finds pairs of rate rules (a concurrency limit is none) over the same requests
+// and clients where the shorter one (the burst rule) admits more at once than the longer window rule (the sustained rule) allows in its
 // whole window: one burst spends the sustained allowance, and the burst rule never binds.
 func burstWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
 	var out []string
@@ -65,7 +101,7 @@ func burstWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
 			continue
 		}
 		for b, burst := range c.Rules {
-			if b == s || burst.Limit.Horizon() >= sustained.Limit.Period ||
+			if b == s || burst.Limit.Kind == algorithm.Concurrency || burst.Limit.Horizon() >= sustained.Limit.Period ||
 				!reflect.DeepEqual(p.Spec.Rules[b].Match, p.Spec.Rules[s].Match) || !reflect.DeepEqual(burst.Key, sustained.Key) {
 				continue
 			}

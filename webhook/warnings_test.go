@@ -52,8 +52,33 @@ func warningCases() []warningCase {
 	exact := v1alpha1.Rule{Name: "per-minute", Key: byClient, SlidingLog: &v1alpha1.Window{Limit: 100, Window: "1m"}}
 	otherKey := bucket("burst", 200, 10, "1s")
 	otherKey.Key = []v1alpha1.KeySource{{Type: v1alpha1.KeyMethod}}
+	slots := v1alpha1.Rule{Name: "in-flight", Key: byClient, Concurrency: &v1alpha1.Concurrency{Limit: 10}}
+	failures := v1alpha1.Rule{Name: "failures", Key: byClient, FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1h"},
+		Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenResponse, Statuses: []v1alpha1.StatusPattern{"401"}}}
+	onRequest := v1alpha1.Rule{Name: "requests", Key: byClient, FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1h"},
+		Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenRequest}}
+	withRLS := func(f func() *v1alpha1.RateLimitPolicy) func() *v1alpha1.RateLimitPolicy {
+		return func() *v1alpha1.RateLimitPolicy {
+			p := f()
+			p.Spec.Enforcer = &v1alpha1.EnforcerSpec{RateLimitService: &v1alpha1.RateLimitService{Enabled: true}}
+			return p
+		}
+	}
 	return []warningCase{
 		{"when every rule has a key and enforces then nothing is said", policyOf(bucket("a", 10, 1, "1s")), nil},
+		{"when a rule is a concurrency limit then the check API and RLS skip it",
+			policyOf(slots),
+			[]string{`spec.rules[0] ("in-flight") is a concurrency rule, whose slots are freed when responses end: only the enforcer's proxy sees a response end; the check API (ingress forward-auth) and Envoy's rate limit service skip the rule and count it as skipped`}},
+		{"when the policy serves RLS then the warning says so", withRLS(policyOf(slots)),
+			[]string{`Envoy's rate limit service, which this policy serves, skip the rule`}},
+		{"when a rule is charged by the response without a concurrency rule then what is in flight passes beyond its limit",
+			policyOf(failures),
+			[]string{`spec.rules[0] ("failures") is charged by the response: only the enforcer's proxy sees a response end`,
+				`spec.rules[0] ("failures") is checked before a request is forwarded and charged after its response, so every request in flight when its limit is reached passes beyond it`}},
+		{"when a concurrency rule bounds the requests in flight then only the front ends are named",
+			policyOf(failures, slots),
+			[]string{`spec.rules[0] ("failures") is charged by the response`, `spec.rules[1] ("in-flight") is a concurrency rule`}},
+		{"when a rule is charged on the request then nothing is said", policyOf(onRequest), nil},
 		{"when a sliding window counter has a small limit then the sliding log is suggested",
 			policyOf(v1alpha1.Rule{Name: "few", Key: byClient, SlidingWindowCounter: &v1alpha1.Window{Limit: 5, Window: "1m"}}),
 			[]string{`spec.rules[0] ("few") is a slidingWindowCounter of limit 5: below 20 its estimate dominates`}},

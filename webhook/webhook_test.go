@@ -1,11 +1,8 @@
 package webhook_test
 
 import (
-	"flag"
-
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -32,7 +29,9 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 	"github.com/sluice-dev/sluice/webhook"
 )
 
@@ -111,8 +110,7 @@ func TestMain(m *testing.M) {
 
 // waitForWebhook waits until a dry-run create passes through both webhooks.
 func waitForWebhook(ctx context.Context) error {
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	err := poll.Until(30*time.Second, func() error {
 		// Only the webhook refuses a repeated key part: its denial says it is served.
 		p := validPolicy("default", "probe")
 		p.Spec.Rules[0].Key = append(p.Spec.Rules[0].Key, p.Spec.Rules[0].Key[0])
@@ -120,11 +118,12 @@ func waitForWebhook(ctx context.Context) error {
 		if err != nil && strings.Contains(err.Error(), "denied the request") {
 			return nil
 		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("the webhook did not answer in 30s: %w", err)
-		}
-		time.Sleep(100 * time.Millisecond)
+		return fmt.Errorf("no denial from the webhook: %w", err)
+	})
+	if err != nil {
+		return fmt.Errorf("the webhook did not answer: %w", err)
 	}
+	return nil
 }
 
 func validPolicy(ns, name string) *v1alpha1.RateLimitPolicy {

@@ -245,13 +245,18 @@ type SecretRef struct {
 
 // Rule is one limit: an algorithm, the requests it applies to, and how clients are told apart.
 //
-// +kubebuilder:validation:XValidation:rule="[has(self.tokenBucket), has(self.leakyBucket), has(self.fixedWindow), has(self.slidingLog), has(self.slidingWindowCounter)].filter(x, x).size() == 1",message="exactly one algorithm must be set: tokenBucket, leakyBucket, fixedWindow, slidingLog or slidingWindowCounter"
+// +kubebuilder:validation:XValidation:rule="[has(self.tokenBucket), has(self.leakyBucket), has(self.fixedWindow), has(self.slidingLog), has(self.slidingWindowCounter), has(self.concurrency)].filter(x, x).size() == 1",message="exactly one algorithm must be set: tokenBucket, leakyBucket, fixedWindow, slidingLog, slidingWindowCounter or concurrency"
 // +kubebuilder:validation:XValidation:rule="!has(self.tokenBucket) || !has(self.cost) || self.cost <= self.tokenBucket.capacity",message="cost must not exceed tokenBucket.capacity: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.leakyBucket) || !has(self.cost) || self.cost <= self.leakyBucket.capacity",message="cost must not exceed leakyBucket.capacity: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.fixedWindow) || !has(self.cost) || self.cost <= self.fixedWindow.limit",message="cost must not exceed fixedWindow.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || !has(self.cost) || self.cost <= self.slidingLog.limit",message="cost must not exceed slidingLog.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingWindowCounter) || !has(self.cost) || self.cost <= self.slidingWindowCounter.limit",message="cost must not exceed slidingWindowCounter.limit: such a request could never pass",fieldPath=".cost"
 // +kubebuilder:validation:XValidation:rule="!has(self.slidingLog) || self.slidingLog.limit <= 10000",message="must be at most 10000: a sliding log keeps one entry per admitted request; use slidingWindowCounter for larger limits",fieldPath=".slidingLog.limit"
+// +kubebuilder:validation:XValidation:rule="!has(self.concurrency) || !has(self.cost) || self.cost == 1",message="a concurrency rule holds one slot per request: cost must be 1 or absent",fieldPath=".cost"
+// +kubebuilder:validation:XValidation:rule="!has(self.concurrency) || (!has(self.charge) && !has(self.costFrom))",message="charge and costFrom do not apply to concurrency: a request holds its slot while it is in flight",fieldPath=".concurrency"
+// +kubebuilder:validation:XValidation:rule="!has(self.leakyBucket) || !has(self.charge) || self.charge.when != 'Response'",message="a leaky bucket gives a request its place in the queue when it is admitted, so it cannot be charged by the response",fieldPath=".charge.when"
+// +kubebuilder:validation:XValidation:rule="!has(self.costFrom) || (has(self.charge) && self.charge.when == 'Response')",message="costFrom reads the response: it needs charge.when Response",fieldPath=".costFrom"
+// +kubebuilder:validation:XValidation:rule="!has(self.costFrom) || self.costFrom.max <= (has(self.tokenBucket) ? self.tokenBucket.capacity : has(self.fixedWindow) ? self.fixedWindow.limit : has(self.slidingLog) ? self.slidingLog.limit : has(self.slidingWindowCounter) ? self.slidingWindowCounter.limit : 0)",message="costFrom.max must not exceed the rule's capacity or limit: a response may not charge more than the rule can ever hold",fieldPath=".costFrom.max"
 type Rule struct {
 	// name identifies the rule in status, metrics, headers and Redis keys. A DNS label.
 	// +required
@@ -292,6 +297,18 @@ type Rule struct {
 	// +optional
 	SlidingWindowCounter *Window `json:"slidingWindowCounter,omitempty"`
 
+	// concurrency admits at most limit requests of a client in flight at once, which protects
+	// slow endpoints that a rate cannot: a request holds one slot from its admission until its
+	// response ends (the last byte of a streamed body, the end of an upgraded connection) or its
+	// client leaves. A slot is a lease: the enforcer renews it every third of leaseTimeout while
+	// the request lasts, and an enforcer that dies with requests in flight frees their slots
+	// within leaseTimeout. A refusal is 429 with Retry-After: 1, which promises no time: a slot
+	// frees when a request in flight ends. Only the enforcer's proxy sees a response end: the
+	// check API (ingress forward-auth) and Envoy's rate limit service skip the rule and count it
+	// as skipped.
+	// +optional
+	Concurrency *Concurrency `json:"concurrency,omitempty"`
+
 	// match selects the requests the rule applies to. Absent means every request.
 	// +optional
 	Match *Match `json:"match,omitempty"`
@@ -305,11 +322,33 @@ type Rule struct {
 	Key []KeySource `json:"key,omitempty"`
 
 	// cost is how many units one request consumes. 0 checks the limit without consuming anything.
+	// With costFrom, it is what a request is checked for before it is forwarded, and what a
+	// response that reports no valid cost is charged. A concurrency rule's is 1: one slot.
 	// Defaults to 1.
 	// +optional
 	// +kubebuilder:validation:Minimum=0
 	// +kubebuilder:validation:Maximum=1000000000
 	Cost *int64 `json:"cost,omitempty"`
+
+	// charge says when a request is charged: when Request, as it is admitted (the default), or
+	// when Response, once its response ends, and then only for the statuses listed, such as failed
+	// logins ("401", "403") or server errors ("5xx"). A rule charged when Response is checked before
+	// the request is forwarded (a request the rule could not admit now is refused) but charged
+	// only after the response, so requests in flight when its limit is reached still pass: at
+	// most that many beyond the limit (a concurrency rule beside it bounds them). Only the
+	// enforcer's proxy sees a response: the check API and Envoy's rate limit service skip such a
+	// rule and count it as skipped.
+	// +optional
+	Charge *Charge `json:"charge,omitempty"`
+
+	// costFrom reads a request's cost from its response, such as the tokens an LLM response
+	// used: the value of a response header or trailer, a whole number from 0 to max (a larger
+	// one is charged as max). A response without the field, or with a value that is not one
+	// such number (negative, not a number, sent twice), is charged cost instead, and counted.
+	// A charge larger than what the rule has left takes it to exhaustion. Needs charge.when
+	// Response.
+	// +optional
+	CostFrom *CostFrom `json:"costFrom,omitempty"`
 
 	// failureMode says what the rule decides when its storage cannot answer: Open lets requests
 	// through, Closed refuses them with 503. When absent, the rule follows
@@ -393,6 +432,82 @@ type Window struct {
 	// window is the length of the window.
 	// +required
 	Window Duration `json:"window,omitempty"`
+}
+
+// Concurrency admits at most limit requests of one client in flight at once.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.leaseTimeout) || !self.leaseTimeout.matches('^([0-9]{1,10}(h|m|s|ms)){1,4}$') || (duration(self.leaseTimeout) >= duration('1s') && duration(self.leaseTimeout) <= duration('1h'))",message="leaseTimeout must be at least 1s and at most 1h",fieldPath=".leaseTimeout"
+type Concurrency struct {
+	// limit is the most requests of one client in flight at once. At most 10000: each request in
+	// flight is one entry of the client's state.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=10000
+	Limit int64 `json:"limit,omitempty"`
+
+	// leaseTimeout is how long a slot stays held without a renewal: the enforcer renews the
+	// slots of its requests in flight every third of it, so it bounds how long the slots of an
+	// enforcer that died (or lost its store) stay taken. From 1s to 1h. Defaults to 30s.
+	// +optional
+	LeaseTimeout *Duration `json:"leaseTimeout,omitempty"`
+}
+
+// DefaultLeaseTimeout is concurrency.leaseTimeout when it is absent.
+const DefaultLeaseTimeout Duration = "30s"
+
+// Charge says when a rule charges a request.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.statuses) || self.when == 'Response'",message="statuses are the responses that are charged: they need when Response",fieldPath=".statuses"
+type Charge struct {
+	// when is Request to charge a request when it is admitted, or Response to check it when it
+	// is admitted and charge it once its response ends. (Not "on", which YAML 1.1 parsers,
+	// kubectl's among them, read as the boolean true.)
+	// +required
+	When ChargeWhen `json:"when,omitempty"`
+
+	// statuses are the response statuses that are charged, each a code such as "401" or a class
+	// such as "5xx". Absent: every response. Responses of other statuses are never charged.
+	// +optional
+	// +listType=set
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=16
+	Statuses []StatusPattern `json:"statuses,omitempty"`
+}
+
+// ChargeWhen is when a rule charges a request.
+//
+// +kubebuilder:validation:Enum=Request;Response
+type ChargeWhen string
+
+// When rules charge requests.
+const (
+	// ChargeWhenRequest charges a request when it is admitted.
+	ChargeWhenRequest ChargeWhen = "Request"
+	// ChargeWhenResponse checks a request when it is admitted and charges it once its response ends.
+	ChargeWhenResponse ChargeWhen = "Response"
+)
+
+// StatusPattern is an HTTP status code, such as "401", or a class of them, such as "5xx".
+//
+// +kubebuilder:validation:MinLength=3
+// +kubebuilder:validation:MaxLength=3
+// +kubebuilder:validation:XValidation:rule="self.matches('^[1-5]([0-9][0-9]|xx)$')",message="must be a status code such as 401 or a class such as 5xx"
+type StatusPattern string
+
+// CostFrom reads a request's cost from its response.
+type CostFrom struct {
+	// responseHeader is the response header, or trailer, whose value is the cost: a whole number
+	// of units. A trailer is read once the response has ended, so a streamed response can report
+	// the cost it learned last.
+	// +required
+	ResponseHeader HeaderName `json:"responseHeader,omitempty"`
+
+	// max is the largest cost a response is charged: a larger value is charged as max. At most
+	// the rule's capacity or limit.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000000000
+	Max int64 `json:"max,omitempty"`
 }
 
 // Duration is a length of time made of whole hours (h), minutes (m), seconds (s) and
@@ -878,6 +993,16 @@ type RuleStatus struct {
 	// failure mode.
 	// +optional
 	Failed int64 `json:"failed"`
+
+	// skipped counts the requests the rule did not decide because their front end cannot see a
+	// response end: a concurrency rule, or one charged on Response, asked through the check API
+	// or Envoy's rate limit service.
+	// +optional
+	Skipped int64 `json:"skipped"`
+
+	// charged counts the responses the rule charged after they ended (charge.when Response).
+	// +optional
+	Charged int64 `json:"charged"`
 
 	// limitedShare is limited over allowed plus limited, such as "12.5%"; empty with neither.
 	// +optional

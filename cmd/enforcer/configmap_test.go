@@ -1,8 +1,6 @@
 package main
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"encoding/json"
 	"fmt"
@@ -25,8 +23,10 @@ import (
 
 	"github.com/sluice-dev/sluice/internal/report"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 func limitPolicy(limit int) string {
@@ -95,17 +95,12 @@ func TestEnforcerBinaryWhenItsConfigMapChangesThenItServesItAndFallsBackToTheFil
 		t.Helper()
 		start := time.Now()
 		want := report.Revision([]byte(limitPolicy(limit)))
-		var r report.Report
-		for {
-			r = readReport(t, admin)
-			if r.Revision == want && r.ConfigSource == source {
-				break
+		poll.WaitFor(t, within, func() error {
+			if r := readReport(t, admin); r.Revision != want || r.ConfigSource != source {
+				return fmt.Errorf("the enforcer serves revision %s from %s, want %s (limit %d) from %s", r.Revision, r.ConfigSource, want, limit, source)
 			}
-			if time.Since(start) > within {
-				t.Fatalf("after %v the enforcer serves revision %s from %s, want %s (limit %d) from %s", within, r.Revision, r.ConfigSource, want, limit, source)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return nil
+		})
 		took := time.Since(start)
 		client++
 		passed := 0
@@ -147,7 +142,7 @@ func TestEnforcerBinaryWhenItsConfigMapChangesThenItServesItAndFallsBackToTheFil
 	if err := os.WriteFile(file, []byte(limitPolicy(2)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(500 * time.Millisecond) // five file polls
+	time.Sleep(500 * time.Millisecond) // real time passes for five file polls: a poll that ignores the file shows nowhere
 	serving(7, report.SourceAPI, time.Second)
 }
 
@@ -237,6 +232,7 @@ type cuttable struct {
 }
 
 func newCuttable(t *testing.T, backend string) *cuttable {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -295,6 +291,7 @@ func TestEnforcerBinaryWhenTheStoreFailsThenTheReportSaysWhy(t *testing.T) {
 		flags                func(t *testing.T) []string
 	}{
 		{"when the password is wrong then authentication", report.CauseAuthentication, "WRONGPASS", func(t *testing.T) []string {
+			t.Helper()
 			srv := redistest.NewServer(t)
 			if err := srv.Client(t).ConfigSet(context.Background(), "requirepass", "right").Err(); err != nil {
 				t.Fatal(err)
@@ -306,15 +303,17 @@ func TestEnforcerBinaryWhenTheStoreFailsThenTheReportSaysWhy(t *testing.T) {
 			return []string{"--redis-url=redis://" + srv.Addr() + "/0", "--redis-password-file=" + password}
 		}},
 		{"when the certificate does not verify then tls", report.CauseTLS, "certificate signed by unknown authority", func(t *testing.T) []string {
+			t.Helper()
 			return []string{"--redis-url=redis://" + redistest.NewTLSServer(t).Addr() + "/0", "--redis-tls"}
 		}},
 		{"when Redis does not answer in time then timeout", report.CauseTimeout, "timeout", func(t *testing.T) []string {
+			t.Helper()
 			srv := redistest.NewServer(t)
 			srv.Pause()
 			t.Cleanup(srv.Resume)
 			return []string{"--redis-url=redis://" + srv.Addr() + "/0"}
 		}},
-		{"when nothing listens then unreachable", report.CauseUnreachable, "connection refused", func(t *testing.T) []string {
+		{"when nothing listens then unreachable", report.CauseUnreachable, "connection refused", func(_ *testing.T) []string {
 			return []string{"--redis-url=redis://" + closed + "/0"}
 		}},
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -154,34 +155,35 @@ func (e *enforcerProcess) switchover(t *testing.T, client string, fail func()) (
 	counts := map[int]int{}
 	start := time.Now()
 	fail()
-	streak := 0
 	var recovered time.Duration
-	for time.Since(start) < 60*time.Second {
-		s := e.send(client, 1, 1)
-		for status, n := range s {
-			counts[status] += n
-			if status == http.StatusOK || status == http.StatusTooManyRequests {
-				if streak == 0 {
-					recovered = time.Since(start)
-				}
-				streak++
-			} else {
-				streak = 0
+	// Recovered once 25 requests in a row are decided; a failure mode's answer starts over.
+	err := poll.Until(60*time.Second, func() error {
+		for streak := 0; streak < 25; streak++ {
+			decided := false
+			for status, n := range e.send(client, 1, 1) {
+				counts[status] += n
+				decided = status == http.StatusOK || status == http.StatusTooManyRequests
+			}
+			if !decided {
+				return fmt.Errorf("answers %v", counts)
+			}
+			if streak == 0 {
+				recovered = time.Since(start)
 			}
 		}
-		if streak >= 25 {
-			return recovered, counts
-		}
-		time.Sleep(20 * time.Millisecond)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("no decisions after the failure: %v", err)
 	}
-	t.Fatalf("no decisions 60 s after the failure; answers %v", counts)
-	return 0, nil
+	return recovered, counts
 }
 
 // checkFailover is the shared course of a failover: a client charged before the failure, the
 // switch with fail-closed answers meanwhile, then exactness on a fresh client and what the
 // charged client lost.
 func checkFailover(t *testing.T, e *enforcerProcess, before, during, after string, fail func()) {
+	t.Helper()
 	if got := e.send(before, 60, 8); got[http.StatusOK] != 60 {
 		t.Fatalf("before the failure: %v, want 60 admitted", got)
 	}

@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/test/local"
-	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 const flagsPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1
@@ -210,7 +210,7 @@ func TestFlagsWhenTheLogLevelIsDebugThenRefusalsAndUpstreamErrorsAreLogged(t *te
 				return nil
 			}
 			if level == "debug" {
-				testenv.WaitFor(t, 10*time.Second, refused)
+				poll.WaitFor(t, 10*time.Second, refused)
 				return
 			}
 			// The lines are written before the answers are sent: none came, none will.

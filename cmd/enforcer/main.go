@@ -61,8 +61,9 @@ func main() {
 	// failures itself, once per change, in its log, metrics and report.
 	redis.SetLogger(quiet{})
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := enforcer.Run(ctx, cfg); err != nil {
+	err = enforcer.Run(ctx, cfg)
+	stop()
+	if err != nil {
 		log.Error(err, "Enforcer failed")
 		os.Exit(1)
 	}

@@ -18,8 +18,8 @@ import (
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/report"
 	"github.com/sluice-dev/sluice/internal/settings"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
-	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // decide parses the flags and runs an enforcer with the Redis store they describe and a policy
@@ -51,7 +51,7 @@ func decide(t *testing.T, flags ...string) (int, error) {
 	// The store's health as the report gives it, once a ping has ended in more than a timeout (the
 	// first ping has a second; the next come every two).
 	var r report.Report
-	testenv.WaitFor(t, 15*time.Second, func() error {
+	poll.WaitFor(t, 15*time.Second, func() error {
 		if err := getJSON("http://"+e.AdminAddr+report.Path, &r); err != nil {
 			return err
 		}

@@ -181,7 +181,7 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 		}
 	})
 
-	ask := func(path, client string) *http.Response {
+	ask := func(path, client string) int {
 		t.Helper()
 		req, _ := http.NewRequest(http.MethodGet, "http://"+check+path, nil)
 		req.Header.Set("X-Forwarded-Method", "GET")
@@ -194,12 +194,12 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 			t.Fatal(err)
 		}
 		_ = resp.Body.Close()
-		return resp
+		return resp.StatusCode
 	}
 	statuses := func(path, client string, n int) []int {
 		var out []int
 		for range n {
-			out = append(out, ask(path, client).StatusCode)
+			out = append(out, ask(path, client))
 		}
 		return out
 	}
@@ -222,30 +222,33 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 		conf := strings.NewReplacer("{{served}}", served, "{{unserved}}", unserved, "{{check}}", "http://"+check, "{{upstream}}", up.URL,
 			"{{ns}}", "shop").Replace(poolNginx)
 		startNginx(t, conf)
-		send := func(addr, client string) *http.Response {
+		send := func(addr, client string) int {
 			t.Helper()
-			var resp *http.Response
+			status := 0
 			if !eventually(10*time.Second, func() bool {
 				req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/orders", nil)
 				req.Header.Set("X-Client", client)
-				var err error
-				resp, err = http.DefaultClient.Do(req)
-				return err == nil
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					return false
+				}
+				_ = resp.Body.Close()
+				status = resp.StatusCode
+				return true
 			}) {
 				t.Fatalf("nginx at %s does not answer", addr)
 			}
-			_ = resp.Body.Close()
-			return resp
+			return status
 		}
 		var got []int
 		for range 3 {
-			got = append(got, send(served, "gina").StatusCode)
+			got = append(got, send(served, "gina"))
 		}
 		if !slices.Equal(got, []int{200, 200, 429}) || hits.Load() != 2 {
 			t.Errorf("through nginx to shop/a: %v, the upstream saw %d; want 200, 200, 429 and 2", got, hits.Load())
 		}
-		if r := send(unserved, "hal"); r.StatusCode != http.StatusInternalServerError || hits.Load() != 2 {
-			t.Errorf("through nginx to a policy the pool does not serve: %d, the upstream saw %d; want nginx's 500 and nothing through", r.StatusCode, hits.Load())
+		if status := send(unserved, "hal"); status != http.StatusInternalServerError || hits.Load() != 2 {
+			t.Errorf("through nginx to a policy the pool does not serve: %d, the upstream saw %d; want nginx's 500 and nothing through", status, hits.Load())
 		}
 	})
 
@@ -261,13 +264,9 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 			req, _ := http.NewRequest(http.MethodGet, "http://"+check+path, nil)
 			req.Header.Set("X-Forwarded-Method", "GET")
 			req.Header.Set("X-Forwarded-Uri", "/")
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			body := readBody(t, resp)
-			if resp.StatusCode != http.StatusNotFound || !strings.Contains(body, want) {
-				t.Errorf("%s: %d %s, want 404 with %q", path, resp.StatusCode, body, want)
+			status, body := do(t, req)
+			if status != http.StatusNotFound || !strings.Contains(body, want) {
+				t.Errorf("%s: %d %s, want 404 with %q", path, status, body, want)
 			}
 		}
 	})
@@ -343,14 +342,11 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 	t.Run("when two policies count the same client then their Redis keys are apart", func(t *testing.T) {
 		patterns := map[string]string{}
 		for _, id := range []string{"shop/a", "team/b"} {
-			resp, err := http.Get("http://" + admin + enforcer.KeysPath + "?policy=" + id)
-			if err != nil {
-				t.Fatal(err)
-			}
-			body := readBody(t, resp)
+			req, _ := http.NewRequest(http.MethodGet, "http://"+admin+enforcer.KeysPath+"?policy="+id, nil)
+			status, body := do(t, req)
 			i := strings.Index(body, `"pattern":"`)
-			if resp.StatusCode != http.StatusOK || i < 0 {
-				t.Fatalf("/keys for %s: %d %s", id, resp.StatusCode, body)
+			if status != http.StatusOK || i < 0 {
+				t.Fatalf("/keys for %s: %d %s", id, status, body)
 			}
 			patterns[id] = strings.SplitN(body[i+len(`"pattern":"`):], `"`, 2)[0]
 		}
@@ -430,8 +426,8 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 		waitReport("team/b gone", func(r report.Report) bool {
 			return !slices.ContainsFunc(r.Policies, func(s report.PolicyServed) bool { return s.Policy == "team/b" })
 		})
-		if resp := ask("/policies/team/b/forward-auth", "erin"); resp.StatusCode != http.StatusNotFound {
-			t.Errorf("team/b after its deletion: %d, want 404", resp.StatusCode)
+		if status := ask("/policies/team/b/forward-auth", "erin"); status != http.StatusNotFound {
+			t.Errorf("team/b after its deletion: %d, want 404", status)
 		}
 	})
 }
@@ -463,13 +459,10 @@ func TestEnforcerBinaryWhenAPoolReplicaCannotListItsConfigMapsThenItIsNotReady(t
 	// Live, and for as long as the API server stays away, not ready: a second is ten of the
 	// loop's rounds that would notice a sync.
 	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
-		resp, err := http.Get("http://" + admin + "/readyz")
-		if err != nil {
-			t.Fatal(err)
-		}
-		body := readBody(t, resp)
-		if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(body, "loading the pool's policies") {
-			t.Fatalf("/readyz: %d %s, want 503 while the pool's policies are not loaded", resp.StatusCode, body)
+		req, _ := http.NewRequest(http.MethodGet, "http://"+admin+"/readyz", nil)
+		status, body := do(t, req)
+		if status != http.StatusServiceUnavailable || !strings.Contains(body, "loading the pool's policies") {
+			t.Fatalf("/readyz: %d %s, want 503 while the pool's policies are not loaded", status, body)
 		}
 	}
 	if r := readReport(t, admin); r.Synced || len(r.Policies) != 0 {
@@ -477,14 +470,19 @@ func TestEnforcerBinaryWhenAPoolReplicaCannotListItsConfigMapsThenItIsNotReady(t
 	}
 }
 
-func readBody(t *testing.T, resp *http.Response) string {
+// do sends req and returns the response's status and body.
+func do(t *testing.T, req *http.Request) (int, string) {
 	t.Helper()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer func() { _ = resp.Body.Close() }()
 	data, err := io.ReadAll(resp.Body)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return string(data)
+	return resp.StatusCode, string(data)
 }
 
 // poolNginx is nginx as ingress-nginx renders an Ingress whose auth-url is a pool's check API at

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"fmt"
 	"io"
@@ -18,7 +16,9 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (
@@ -78,17 +78,22 @@ func TestEnforcerBinaryWhenSIGTERMThenEveryAcceptedRequestIsAnsweredBeforeExit0(
 }
 
 func testShutdown(t *testing.T, storeFlags []string) {
+	t.Helper()
 	bin := binary(t)
 	var slowSeen sync.WaitGroup
 	slowSeen.Add(10)
+	// The slow requests are answered once the drain is under way, not after a guess at when.
+	held := make(chan struct{})
+	release := sync.OnceFunc(func() { close(held) })
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/slow" {
 			slowSeen.Done()
-			time.Sleep(3 * time.Second)
+			<-held
 		}
 		_, _ = io.WriteString(w, "ok")
 	}))
 	defer up.Close()
+	defer release() // first: Close waits for the handlers
 
 	dir := t.TempDir()
 	file := filepath.Join(dir, "policy.yaml")
@@ -177,6 +182,7 @@ func testShutdown(t *testing.T, storeFlags []string) {
 	}) {
 		t.Error("the proxy still accepts connections 5 s after the shutdown delay")
 	}
+	release()
 
 	var last time.Time
 	for range 30 {
@@ -195,7 +201,7 @@ func testShutdown(t *testing.T, storeFlags []string) {
 		t.Errorf("exited at %v, before the last answer at %v", exited, last)
 	}
 	if d := last.Sub(signalled); d < time.Second {
-		t.Errorf("the last answer came %v after SIGTERM; the slow upstream alone takes longer, so the drain did not wait", d)
+		t.Errorf("the last answer came %v after SIGTERM, within the shutdown delay; the slow upstream answers only once the drain is under way, so the drain did not wait", d)
 	}
 }
 
@@ -209,14 +215,9 @@ func status(c *http.Client, u string) int {
 	return resp.StatusCode
 }
 
-// eventually polls cond every 20 ms until it holds or timeout passes.
+// eventually polls cond until it holds or timeout passes.
 func eventually(timeout time.Duration, cond func() bool) bool {
-	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-	}
-	return cond()
+	return poll.Until(timeout, poll.True("", cond)) == nil
 }
 
 // waitMetric waits until the admin server's /metrics shows series at want.

@@ -57,7 +57,7 @@ func TestEnforcerBinaryWhenAStreamPausesPastTheHeaderTimeoutThenItIsNotCut(t *te
 	up := serveH1(t, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "first\n")
 		_ = http.NewResponseController(w).Flush()
-		time.Sleep(600 * time.Millisecond) // twice the timeout: the pause under test
+		time.Sleep(600 * time.Millisecond) // real time passes for a real timeout: twice the header timeout
 		_, _ = io.WriteString(w, "second\n")
 	}))
 	e := startFronting(t, "http://"+up, "--upstream-response-header-timeout=300ms")
@@ -258,6 +258,7 @@ func TestEnforcerBinaryWhenTheUpstreamCannotBeConnectedInTimeThen504AndGRPCDeadl
 	connect := "--upstream-connect-timeout=" + timeout.String()
 	httpGet := func(via string) func(t *testing.T, e *binaryEnforcer) {
 		return func(t *testing.T, e *binaryEnforcer) {
+			t.Helper()
 			resp, err := local.ClientFor(via, 20*time.Second).Get("http://" + e.proxy + "/slow-to-connect")
 			if err != nil {
 				t.Fatal(err)
@@ -269,6 +270,7 @@ func TestEnforcerBinaryWhenTheUpstreamCannotBeConnectedInTimeThen504AndGRPCDeadl
 		}
 	}
 	grpcCall := func(t *testing.T, e *binaryEnforcer) {
+		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
 		_, err := grpcClient(t, e.proxy).UnaryCall(ctx, &testpb.SimpleRequest{})
@@ -316,7 +318,7 @@ func websocketLate(pause time.Duration) http.Handler {
 		defer func() { _ = conn.Close() }()
 		_, _ = rw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
 		_ = rw.Flush()
-		time.Sleep(pause) // the silence under test
+		time.Sleep(pause) // real time passes for a real timeout: the silence under test
 		_, _ = rw.WriteString("late\n")
 		_ = rw.Flush()
 		line, _ := rw.ReadString('\n')

@@ -1,8 +1,6 @@
 package main_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"bufio"
 	"io"
 	"os/exec"
@@ -13,6 +11,7 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // The README's first command must work, and work again: run the demo twice, read its report, and
@@ -30,6 +29,8 @@ func TestDemoWhenRunTwiceThenEachRunReportsTheBurstAndStopsCleanlyOnCtrlC(t *tes
 		cmd.Dir = testenv.RepoRoot()
 		out, w := io.Pipe()
 		cmd.Stdout, cmd.Stderr = w, w
+		// The demo, and so what it started, dies with the test process, however it ends.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGINT}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}

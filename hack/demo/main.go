@@ -36,8 +36,9 @@ func main() {
 	dir := flag.String("dir", filepath.Join(testenv.RepoRoot(), "bin", "demo"), "Directory for the kubeconfig, logs and the enforcer's files.")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, *dir); err != nil {
+	err := run(ctx, *dir)
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
 	}

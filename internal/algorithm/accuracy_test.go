@@ -20,7 +20,7 @@ import (
 //   - the most any limiter admitted to one client in any window-long interval, as a multiple of
 //     the limit.
 //
-// Run with: go test ./enforcer/algorithm -run '^$' -bench Accuracy -v
+// It prints its figures with go test ./internal/algorithm -run '^$' -bench Accuracy -v.
 func BenchmarkSlidingWindowCounterAccuracy(b *testing.B) {
 	shapes := trafficShapes(accLimit)
 	// Smooth traffic at smaller limits, where a unit of estimate error is a larger share.

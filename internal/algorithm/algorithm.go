@@ -1,5 +1,6 @@
-// Package algorithm holds the five rate-limit algorithms as pure functions of
-// (state, now, limit, cost) -> (state, Decision). Time is an argument, never read here.
+// Package algorithm holds the six limit algorithms as pure functions of
+// (state, now, limit, cost) -> (state, Decision): five rates and a concurrency limit. Time is an
+// argument, never read here.
 //
 // The API takes a time.Time. Inside, and in State, times are microseconds since the Unix epoch
 // held in float64, the number type of Redis Lua: the Redis store runs the same arithmetic,
@@ -23,9 +24,13 @@ const (
 	FixedWindow
 	SlidingLog
 	SlidingWindowCounter
+	// Concurrency counts requests in flight rather than requests over time: each admitted
+	// request holds a lease on Limit slots' worth of its cost until it is released, or until
+	// its lease, renewed while the request lasts, expires Period after its last renewal.
+	Concurrency
 )
 
-var kindNames = [...]string{"", "token_bucket", "leaky_bucket", "fixed_window", "sliding_log", "sliding_window_counter"}
+var kindNames = [...]string{"", "token_bucket", "leaky_bucket", "fixed_window", "sliding_log", "sliding_window_counter", "concurrency"}
 
 // String is the snake_case name used in metric labels and Lua.
 func (k Kind) String() string {
@@ -38,11 +43,13 @@ func (k Kind) String() string {
 // Limit is one rule's algorithm and parameters.
 type Limit struct {
 	Kind Kind
-	// Limit is the bucket capacity (token and leaky bucket) or the units per window.
+	// Limit is the bucket capacity (token and leaky bucket), the units per window, or the slots
+	// of a concurrency limit.
 	Limit int64
 	// Rate is the tokens (token bucket) or requests (leaky bucket) added or drained per Period.
 	Rate int64
-	// Period is the refill or drain period, or the window length.
+	// Period is the refill or drain period, the window length, or a concurrency limit's lease
+	// timeout.
 	Period time.Duration
 	// MaxWait is the longest a leaky-bucket request may be held.
 	MaxWait time.Duration
@@ -56,12 +63,26 @@ type Limit struct {
 //   - sliding log: Log holds the admitted requests, oldest first: when each was admitted and
 //     how many units it took. One entry per request, never one per unit, so a key holds at
 //     most Limit entries and a request of any cost adds one.
+//   - concurrency: Leases holds the requests in flight, in the order they were admitted.
 //
 // The zero State is an idle key.
 type State struct {
 	T, W, N, P float64
 	Log        []LogEntry
+	Leases     []Lease
 }
+
+// Lease is one request in flight under a concurrency limit: the ID of its request, when the
+// lease expires unless renewed, in microseconds, and the slots it holds (its cost).
+type Lease struct {
+	ID     string
+	Expiry float64
+	Units  int64
+}
+
+// LeaseSize is the bytes one Lease takes, its ID's bytes included for IDs of up to 24 bytes (the
+// limiter's are), for stores that bound their memory.
+const LeaseSize = 56
 
 // LogEntry is one admitted request of a sliding log: its admission time, in microseconds, and
 // its units.
@@ -81,10 +102,12 @@ type Decision struct {
 	Limit int64
 	// Remaining is how many units the rule would still admit now, after this request.
 	Remaining int64
-	// Reset is how long until the rule's state is back to idle (a full bucket, an empty window).
+	// Reset is how long until the rule's state is back to idle (a full bucket, an empty window;
+	// for a concurrency limit, the last lease's expiry, were no lease renewed or released).
 	Reset time.Duration
 	// RetryAfter is, for a refusal, how long until the same request would pass if nothing else
-	// arrives.
+	// arrives. It is 0 for a concurrency limit: a slot frees when a request in flight ends,
+	// which no clock says.
 	RetryAfter time.Duration
 	// Wait is, for an admitted leaky-bucket request, how long to hold it before forwarding.
 	Wait time.Duration
@@ -112,10 +135,10 @@ func (l Limit) Layout() string {
 }
 
 // letter is the kind's one-letter tag in Layout.
-func (k Kind) letter() string { return string("?tlfsc"[min(int(k), 5)]) }
+func (k Kind) letter() string { return string("?tlfscn"[min(int(k), 6)]) }
 
-// Horizon is how long the rule remembers, the time its quota refers to: the window, or the time
-// an empty bucket takes to fill (a full queue to drain).
+// Horizon is how long the rule remembers, the time its quota refers to: the window, the time an
+// empty bucket takes to fill (a full queue to drain), or a concurrency limit's lease timeout.
 func (l Limit) Horizon() time.Duration {
 	switch l.Kind {
 	case TokenBucket, LeakyBucket:
@@ -136,16 +159,84 @@ func Micros(t time.Time) float64 { return float64(t.UnixMicro()) }
 // multiplied it (RLS hits_addend times the rule's cost), no state could ever admit it. Every
 // other cost is at most the limit, so the arithmetic below stays within it.
 func (l Limit) Take(st State, now time.Time, cost int64) (State, Decision) {
+	return l.TakeAs(st, now, cost, "")
+}
+
+// TakeAs is Take for the request named lease: under a concurrency limit, the lease it is admitted
+// with carries that ID, by which Release and Renew find it. Other limits ignore it.
+func (l Limit) TakeAs(st State, now time.Time, cost int64, lease string) (State, Decision) {
 	us := Micros(now)
 	if cost < 0 || cost > l.Limit {
-		next, d := l.take(st, us, 0)
+		next, d := l.take(st, us, 0, "")
 		d.Allowed, d.Never, d.RetryAfter, d.Wait = false, true, 0, 0
 		return next, d
 	}
-	return l.take(st, us, cost)
+	return l.take(st, us, cost, lease)
 }
 
-func (l Limit) take(st State, now float64, cost int64) (State, Decision) {
+// Charge charges a request's cost once its response is known (a rule charged by the response):
+// it never refuses, and takes at most what the rule has left now, so a cost larger than that
+// takes the rule to exhaustion (Remaining 0) and no further. A negative cost charges nothing.
+// The decision is that of the units charged; Allowed is false only where the rule refuses even
+// what it has left, which a leaky bucket's maxWait may (the schema keeps leaky buckets from
+// being charged by the response).
+func (l Limit) Charge(st State, now time.Time, cost int64) (State, Decision) {
+	us := Micros(now)
+	_, d := l.take(st, us, 0, "")
+	return l.take(st, us, min(max(cost, 0), d.Remaining), "")
+}
+
+// Release ends the lease of the request named lease that holds units slots of a concurrency
+// limit, and drops the leases that expired. It returns the state and what a cost-0 check sees.
+// A lease that expired already, or was never admitted, releases nothing.
+func (l Limit) Release(st State, now time.Time, lease string, units int64) (State, Decision) {
+	us := Micros(now)
+	st = l.dropExpired(st, us)
+	for i, e := range st.Leases {
+		if e.ID == lease && e.Units == units {
+			st.Leases = append(append(make([]Lease, 0, len(st.Leases)-1), st.Leases[:i]...), st.Leases[i+1:]...)
+			break
+		}
+	}
+	return l.take(st, us, 0, "")
+}
+
+// Renew extends the lease of the request named lease that holds units slots of a concurrency
+// limit to Period from now, if it has not expired, and drops the leases that expired. A lease
+// that expired is not brought back: its slot may be another request's by now.
+func (l Limit) Renew(st State, now time.Time, lease string, units int64) (State, Decision) {
+	us := Micros(now)
+	st = l.dropExpired(st, us)
+	for i, e := range st.Leases {
+		if e.ID == lease && e.Units == units {
+			st.Leases = append([]Lease(nil), st.Leases...)
+			st.Leases[i].Expiry = us + micros(l.Period)
+			break
+		}
+	}
+	return l.take(st, us, 0, "")
+}
+
+// dropExpired returns st without the leases that expired at or before now, in a new slice when
+// any did: the caller's state is never changed.
+func (l Limit) dropExpired(st State, now float64) State {
+	for i, e := range st.Leases {
+		if e.Expiry > now {
+			continue
+		}
+		live := append(make([]Lease, 0, len(st.Leases)-1), st.Leases[:i]...)
+		for _, e := range st.Leases[i+1:] {
+			if e.Expiry > now {
+				live = append(live, e)
+			}
+		}
+		st.Leases = live
+		return st
+	}
+	return st
+}
+
+func (l Limit) take(st State, now float64, cost int64, lease string) (State, Decision) {
 	switch l.Kind {
 	case TokenBucket:
 		return l.tokenBucket(st, now, cost)
@@ -157,6 +248,8 @@ func (l Limit) take(st State, now float64, cost int64) (State, Decision) {
 		return l.slidingLog(st, now, cost)
 	case SlidingWindowCounter:
 		return l.slidingWindowCounter(st, now, cost)
+	case Concurrency:
+		return l.concurrency(st, now, cost, lease)
 	}
 	return st, Decision{}
 }
@@ -319,7 +412,7 @@ func (l Limit) fixedWindow(st State, now float64, cost int64) (State, Decision) 
 	} else {
 		d.RetryAfter = dur(end)
 	}
-	d.Remaining = l.Limit - int64(n)
+	d.Remaining = remaining(l.Limit, float64(l.Limit)-n) // n may round past a limit beyond 2^53
 	if n > 0 {
 		d.Reset = dur(end)
 	}
@@ -395,5 +488,31 @@ func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, D
 	case prev > 0:
 		d.Reset = dur(start + window - now)
 	}
+	return st, d
+}
+
+// concurrency admits a request while the slots of the leases in flight plus its cost fit the
+// limit, and gives it a lease of Period. Expired leases are dropped first: they are the requests
+// of an enforcer that stopped renewing them. A refusal carries no RetryAfter: a slot frees when a
+// request in flight ends, which no clock says.
+func (l Limit) concurrency(st State, now float64, cost int64, lease string) (State, Decision) {
+	st = l.dropExpired(st, now)
+	held := int64(0)
+	for _, e := range st.Leases {
+		held += e.Units
+	}
+	// held <= Limit and 0 <= cost <= Limit (Take): the subtraction cannot overflow.
+	d := Decision{Limit: l.Limit, Allowed: cost <= l.Limit-held}
+	if d.Allowed && cost > 0 {
+		// Appending never changes the elements the caller's slice can see.
+		st.Leases = append(st.Leases, Lease{ID: lease, Expiry: now + micros(l.Period), Units: cost})
+		held += cost
+	}
+	latest := 0.0
+	for _, e := range st.Leases {
+		latest = fmax(latest, e.Expiry)
+	}
+	d.Remaining = l.Limit - held
+	d.Reset = dur(latest - now)
 	return st, d
 }

@@ -64,7 +64,7 @@ func TestTokenBucketWhenCostIsThreeThenCapacityTenAdmitsThree(t *testing.T) {
 }
 
 func TestEveryAlgorithmWhenCostIsZeroThenNothingIsCharged(t *testing.T) {
-	for _, l := range allKinds(5, time.Minute) {
+	for _, l := range withConcurrency(allKinds(5, time.Minute)) {
 		t.Run(l.Kind.String(), func(t *testing.T) {
 			var st algorithm.State
 			now := t0
@@ -186,6 +186,13 @@ func allKinds(limit int64, period time.Duration) []algorithm.Limit {
 	}
 }
 
+// withConcurrency adds a concurrency limit of the same limit, whose leases last the period, to
+// the rate algorithms: the tests that hold for every algorithm but Retry-After's, which a
+// concurrency limit does not promise.
+func withConcurrency(kinds []algorithm.Limit) []algorithm.Limit {
+	return append(kinds, algorithm.Limit{Kind: algorithm.Concurrency, Limit: kinds[0].Limit, Period: kinds[0].Period})
+}
+
 // Retry-after honesty: a refused request, repeated retry-after later with nothing else arriving,
 // passes. Random traffic, every algorithm.
 func TestEveryAlgorithmWhenRefusedThenSameRequestPassesAtRetryAfter(t *testing.T) {
@@ -220,7 +227,7 @@ func TestEveryAlgorithmWhenRefusedThenSameRequestPassesAtRetryAfter(t *testing.T
 
 // Reset honesty: at now + reset the state is idle, so the full limit passes at once.
 func TestEveryAlgorithmWhenResetPassesThenTheFullLimitIsAvailable(t *testing.T) {
-	for _, l := range allKinds(4, time.Second) {
+	for _, l := range withConcurrency(allKinds(4, time.Second)) {
 		t.Run(l.Kind.String(), func(t *testing.T) {
 			var st algorithm.State
 			now := t0.Add(123 * time.Millisecond)
@@ -260,7 +267,7 @@ func TestLayoutWhenTheStateWouldReadDifferentlyThenTheLayoutDiffers(t *testing.T
 		}
 	}
 	seen := map[string]algorithm.Kind{}
-	for k := algorithm.TokenBucket; k <= algorithm.SlidingWindowCounter; k++ {
+	for k := algorithm.TokenBucket; k <= algorithm.Concurrency; k++ {
 		l := algorithm.Limit{Kind: k, Limit: 10, Rate: 1, Period: time.Hour}.Layout()
 		if other, ok := seen[l]; ok {
 			t.Errorf("%v and %v share the layout %q", k, other, l)
@@ -272,7 +279,7 @@ func TestLayoutWhenTheStateWouldReadDifferentlyThenTheLayoutDiffers(t *testing.T
 // A cost above the limit can never pass: refused at once, with no Retry-After that would promise
 // otherwise, on every algorithm, whatever the state; the state is left as a cost-0 check leaves it.
 func TestEveryAlgorithmWhenCostExceedsTheLimitThenRefusedAsNever(t *testing.T) {
-	for _, l := range allKinds(5, time.Minute) {
+	for _, l := range withConcurrency(allKinds(5, time.Minute)) {
 		for _, cost := range []int64{6, 1000, math.MaxInt64, -1, math.MinInt64} {
 			var st algorithm.State
 			now := t0

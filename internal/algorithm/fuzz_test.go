@@ -2,6 +2,7 @@ package algorithm_test
 
 import (
 	"math"
+	"strconv"
 	"testing"
 	"time"
 
@@ -17,15 +18,22 @@ import (
 //     negative;
 //   - no window ever admits more than the limit: a sliding log's window-long intervals, a fixed
 //     window's or a sliding window counter's own window; and a bucket never more than its
-//     capacity plus what it refilled since the first admission.
+//     capacity plus what it refilled since the first admission; a concurrency limit never holds
+//     more slots than its limit in leases that have not expired, whatever is released;
+//   - a post-response charge (Charge, a quarter of the steps of the rate algorithms but the
+//     leaky bucket, which the schema keeps from it, for limits up to 2^40, as a charge may be
+//     the whole limit) never refuses, counts in the limits above as an admission, and a cost of
+//     at least what was left leaves nothing.
 func FuzzTakeWhenAnyLimitCostAndClockThenNeverPanicsNorAdmitsMoreThanTheLimit(f *testing.F) {
 	f.Add(uint8(4), int64(5), int64(1), int64(60_000_000), int64(0), []byte{1, 0, 5, 0, 6, 1, 200, 3})
 	f.Add(uint8(1), int64(10), int64(3), int64(1_000_000), int64(0), []byte{0, 0, 10, 9, 255, 1, 2, 3, 4})
 	f.Add(uint8(2), int64(4), int64(2), int64(500_000), int64(300_000), []byte{0, 0, 2, 2, 2, 2, 9, 9})
 	f.Add(uint8(5), int64(100), int64(1), int64(3_600_000_000), int64(0), []byte{7, 7, 7, 7, 7, 7, 100, 100})
 	f.Add(uint8(3), int64(math.MaxInt64/2), int64(1), int64(1), int64(0), []byte{255, 255, 255, 255})
+	f.Add(uint8(5), int64(3), int64(1), int64(10_000_000), int64(0), []byte{0, 1, 0, 1, 0, 1, 0, 1, 2, 0, 0, 1, 200, 1, 0, 1})
+	f.Add(uint8(2), int64(1000), int64(1), int64(3_600_000_000), int64(0), []byte{3, 150, 3, 150, 7, 190, 0, 1, 3, 199, 0, 1})
 	f.Fuzz(func(t *testing.T, kind uint8, limit, rate, periodUs, maxWaitUs int64, steps []byte) {
-		l := algorithm.Limit{Kind: algorithm.Kind(1 + kind%5), Limit: 1 + abs(limit)%(1<<62), Rate: 1 + abs(rate)%(1<<62)}
+		l := algorithm.Limit{Kind: algorithm.Kind(1 + kind%6), Limit: 1 + abs(limit)%(1<<62), Rate: 1 + abs(rate)%(1<<62)}
 		l.Period = time.Duration(1+abs(periodUs)%(100*365*24*3600*1_000_000)) * time.Microsecond
 		l.MaxWait = time.Duration(abs(maxWaitUs)%(100*365*24*3600*1_000_000)) * time.Microsecond
 		window := float64(l.Period.Microseconds())
@@ -50,18 +58,39 @@ func FuzzTakeWhenAnyLimitCostAndClockThenNeverPanicsNorAdmitsMoreThanTheLimit(f 
 			default:
 				cost = -int64(c)
 			}
-			next, d := l.Take(st, time.UnixMicro(int64(now)), cost)
-			never := cost < 0 || cost > l.Limit
-			if d.Never != never || d.Never && (d.Allowed || d.RetryAfter != 0) {
-				t.Fatalf("step %d, %+v cost %d: %+v", i/2, l, cost, d)
-			}
-			if d.Remaining < 0 || d.Remaining > l.Limit || d.RetryAfter < 0 || d.Reset < 0 || d.Wait < 0 {
-				t.Fatalf("step %d, %+v cost %d: %+v out of range", i/2, l, cost, d)
-			}
-			if !d.Allowed || cost == 0 {
+			at := time.UnixMicro(int64(now))
+			if l.Kind == algorithm.Concurrency && steps[i]%4 == 2 && len(st.Leases) > 0 {
+				// The oldest lease's request ends.
+				st, _ = l.Release(st, at, st.Leases[0].ID, st.Leases[0].Units)
 				continue
 			}
-			st = next
+			if l.Kind != algorithm.Concurrency && l.Kind != algorithm.LeakyBucket && l.Limit <= 1<<40 && steps[i]%4 == 3 {
+				_, before := l.Take(st, at, 0)
+				next, d := l.Charge(st, at, cost)
+				if !d.Allowed || d.Never || d.Remaining < 0 || d.Remaining > l.Limit {
+					t.Fatalf("step %d, %+v charged %d after the response: %+v", i/2, l, cost, d)
+				}
+				if cost >= before.Remaining && d.Remaining != 0 {
+					t.Fatalf("step %d, %+v: a charge of %d over the %d left left %d", i/2, l, cost, before.Remaining, d.Remaining)
+				}
+				st = next
+				if cost = min(max(cost, 0), before.Remaining); cost == 0 {
+					continue
+				}
+			} else {
+				next, d := l.TakeAs(st, at, cost, strconv.Itoa(i))
+				never := cost < 0 || cost > l.Limit
+				if d.Never != never || d.Never && (d.Allowed || d.RetryAfter != 0) {
+					t.Fatalf("step %d, %+v cost %d: %+v", i/2, l, cost, d)
+				}
+				if d.Remaining < 0 || d.Remaining > l.Limit || d.RetryAfter < 0 || d.Reset < 0 || d.Wait < 0 {
+					t.Fatalf("step %d, %+v cost %d: %+v out of range", i/2, l, cost, d)
+				}
+				if !d.Allowed || cost == 0 {
+					continue
+				}
+				st = next
+			}
 			if len(admitted) == 0 {
 				first = now
 			}
@@ -80,6 +109,12 @@ func FuzzTakeWhenAnyLimitCostAndClockThenNeverPanicsNorAdmitsMoreThanTheLimit(f 
 			case algorithm.FixedWindow, algorithm.SlidingWindowCounter:
 				for _, e := range admitted {
 					if math.Floor(e.At/window) == math.Floor(now/window) {
+						units += float64(e.Units)
+					}
+				}
+			case algorithm.Concurrency:
+				for _, e := range st.Leases {
+					if e.Expiry > now {
 						units += float64(e.Units)
 					}
 				}

@@ -1,8 +1,6 @@
 package certs_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -31,16 +29,26 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/certs"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 	"github.com/sluice-dev/sluice/webhook"
 )
 
 // The API server calls the webhook through configurations that envtest installed with its own CA;
 // the rotator must replace that trust with its own, renew the serving certificate and its CA
 // while the manager runs, and never leave the API server unable to call the webhook.
+//
+// The rotator runs on a fake clock, which the test moves on by its interval and then waits until
+// the rotator has synced: minutes of certificate lifetimes pass in as many syncs. The API server
+// and the TLS client check validity on the real clock, so the fake one starts two minutes back
+// and ends at most four ahead: within the five minutes by which certificates are backdated, and
+// within the validity of the certificate served at each moment.
 func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARestart(t *testing.T) {
 	tier.Needs(t, "the test control plane")
 	ctrl.SetLogger(logr.Discard())
+	const interval, steps = 20 * time.Second, 18 // six minutes of the rotator's time
+	clk := clocktesting.NewFakeClock(time.Now().Add(-2 * time.Minute))
 	env, err := testenv.Start(testenv.WithWebhooks())
 	if err != nil {
 		t.Fatal(err)
@@ -56,9 +64,10 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 		Secret:             types.NamespacedName{Namespace: "default", Name: "sluice-webhook-certs"},
 		Hosts:              []string{"localhost", env.Webhook.LocalServingHost},
 		ValidatingWebhooks: []string{"validating-webhook-configuration"},
-		CAValidity:         15 * time.Second, // renewed at 10s
-		CertValidity:       6 * time.Second,  // renewed every 4s
-		Interval:           200 * time.Millisecond,
+		CAValidity:         7 * time.Minute, // renewed after 4m40s
+		CertValidity:       4 * time.Minute, // renewed after 2m40s
+		Interval:           interval,
+		Clock:              clk,
 	}
 	mgr, err := ctrl.NewManager(env.Config, ctrl.Options{
 		Scheme:  scheme,
@@ -92,18 +101,25 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 		// The webhook fails closed: an admission that passes reached it.
 		return k8s.Create(ctx, p, client.DryRunAll)
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for err := admit(); err != nil; err = admit() {
-		if time.Now().After(deadline) {
-			t.Fatalf("the API server never reached the webhook with the rotator's certificate: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
+	// synced waits until the rotator has synced and waits on the clock for its next round.
+	synced := func() {
+		t.Helper()
+		poll.WaitFor(t, 20*time.Second, poll.True("the rotator waiting for its next round", clk.HasWaiters))
 	}
+	synced()
+	poll.WaitFor(t, 20*time.Second, func() error {
+		if err := admit(); err != nil {
+			return fmt.Errorf("the API server does not reach the webhook with the rotator's certificate: %w", err)
+		}
+		return nil
+	})
 
 	addr := net.JoinHostPort(env.Webhook.LocalServingHost, strconv.Itoa(env.Webhook.LocalServingPort))
 	serials, issuers := map[string]bool{}, map[string]bool{}
 	var failures []error
-	for end := time.Now().Add(13 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+	for range steps {
+		clk.Step(interval)
+		synced()
 		if err := admit(); err != nil {
 			failures = append(failures, err)
 		}
@@ -115,7 +131,7 @@ func TestRotatorWhenCertificatesExpireThenNewOnesAreServedAndTrustedWithoutARest
 		issuers[cert.Issuer.CommonName] = true
 	}
 	if len(serials) < 3 || len(issuers) < 2 {
-		t.Errorf("saw %d serving certificates from %d CAs in 13s, want at least 3 from 2 (renewals every 4s, the CA at 10s)", len(serials), len(issuers))
+		t.Errorf("saw %d serving certificates from %d CAs in %v, want at least 3 from 2 (renewals after 2m40s, the CA after 4m40s)", len(serials), len(issuers), steps*interval)
 	}
 	if len(failures) > 0 {
 		t.Errorf("%d admission requests failed during rotation, want none; first: %v", len(failures), failures[0])
@@ -168,9 +184,7 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 	t.Cleanup(cancel)
 	go func() { _ = rotator.Start(ctx) }()
 	// The first sync finds no configurations and waits on the clock for its retry.
-	for !clk.HasWaiters() {
-		time.Sleep(10 * time.Millisecond)
-	}
+	poll.WaitFor(t, 10*time.Second, poll.True("the rotator waiting for its retry", clk.HasWaiters))
 
 	none := admissionregistrationv1.SideEffectClassNone
 	url := "https://127.0.0.1:1/never"
@@ -184,20 +198,19 @@ func TestRotatorWhenWebhookConfigurationsAppearAfterStartThenTheirCABundleIsFill
 		t.Fatal(err)
 	}
 	clk.Step(2 * time.Second) // the retry after an error
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	poll.WaitFor(t, 10*time.Second, func() error {
 		var m admissionregistrationv1.MutatingWebhookConfiguration
 		var v admissionregistrationv1.ValidatingWebhookConfiguration
 		errM := k8s.Get(ctx, client.ObjectKey{Name: "late-mutating"}, &m)
 		errV := k8s.Get(ctx, client.ObjectKey{Name: "late-validating"}, &v)
 		if errM == nil && errV == nil && len(m.Webhooks[0].ClientConfig.CABundle) > 0 && len(v.Webhooks[0].ClientConfig.CABundle) > 0 {
-			return
+			return nil
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("the caBundle was not filled within 10s of the retry")
+		if err := errors.Join(errM, errV); err != nil {
+			return err
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return errors.New("the caBundle is not filled after the retry")
+	})
 }
 
 // A certificate is served only once the CA that signed it is in the caBundle of the webhook

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/netip"
 	"regexp"
+	"strconv"
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/validation/field"
@@ -59,6 +60,41 @@ type Rule struct {
 	Fields Fields
 	// RetryJitter is its policy's (Policy.RetryJitter).
 	RetryJitter float64
+	// OnResponse is true for a rule charged once its response ends (charge.when Response): a
+	// decision checks it, at Cost, without charging it.
+	OnResponse bool
+	// Statuses are the response statuses a rule charged OnResponse charges; empty, every status.
+	Statuses []StatusRange
+	// CostFrom, when set, reads the cost of a response from one of its fields.
+	CostFrom *CostFrom
+}
+
+// StatusRange is a range of response statuses, both ends included: a code, or a class such as
+// 500 to 599.
+type StatusRange struct{ From, To int }
+
+// CostFrom is a compiled costFrom: the canonical name of the response field, and the largest
+// cost it charges.
+type CostFrom struct {
+	Header string
+	Max    int64
+}
+
+// SeesResponse reports whether only a front end that sees the response's end can decide the
+// rule: a concurrency limit, released then, or a rule charged by the response.
+func (r *Rule) SeesResponse() bool { return r.OnResponse || r.Limit.Kind == algorithm.Concurrency }
+
+// Charges reports whether a rule charged OnResponse charges a response of status code.
+func (r *Rule) Charges(code int) bool {
+	if len(r.Statuses) == 0 {
+		return true
+	}
+	for _, s := range r.Statuses {
+		if code >= s.From && code <= s.To {
+			return true
+		}
+	}
+	return false
 }
 
 // Match selects requests; the zero Match selects all.
@@ -168,6 +204,19 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 		rule.Match = compileMatch(m, path.Child("match"), &errs)
 	}
 	rule.Key = compileKey(r.Key, path.Child("key"), &errs)
+	if c := r.Charge; c != nil && c.When == v1alpha1.ChargeWhenResponse {
+		rule.OnResponse = true
+		for _, st := range c.Statuses { // the schema admits a code or a class: "401", "5xx"
+			if st[1:] == "xx" {
+				rule.Statuses = append(rule.Statuses, StatusRange{int(st[0]-'0') * 100, int(st[0]-'0')*100 + 99})
+			} else if code, err := strconv.Atoi(string(st)); err == nil {
+				rule.Statuses = append(rule.Statuses, StatusRange{code, code})
+			}
+		}
+	}
+	if cf := r.CostFrom; cf != nil {
+		rule.CostFrom = &CostFrom{Header: http.CanonicalHeaderKey(string(cf.ResponseHeader)), Max: cf.Max}
+	}
 	if len(errs) == 0 {
 		rule.Fields = newFields(&rule)
 	}
@@ -191,8 +240,15 @@ func compileLimit(r *v1alpha1.Rule, path *field.Path, errs *field.ErrorList) alg
 		return window(algorithm.SlidingLog, r.SlidingLog, path.Child("slidingLog"), errs)
 	case r.SlidingWindowCounter != nil:
 		return window(algorithm.SlidingWindowCounter, r.SlidingWindowCounter, path.Child("slidingWindowCounter"), errs)
+	case r.Concurrency != nil:
+		lease := v1alpha1.DefaultLeaseTimeout
+		if r.Concurrency.LeaseTimeout != nil {
+			lease = *r.Concurrency.LeaseTimeout
+		}
+		return algorithm.Limit{Kind: algorithm.Concurrency, Limit: r.Concurrency.Limit,
+			Period: duration(lease, path.Child("concurrency", "leaseTimeout"), errs)}
 	}
-	*errs = append(*errs, field.Required(path, "exactly one algorithm must be set: tokenBucket, leakyBucket, fixedWindow, slidingLog or slidingWindowCounter"))
+	*errs = append(*errs, field.Required(path, "exactly one algorithm must be set: tokenBucket, leakyBucket, fixedWindow, slidingLog, slidingWindowCounter or concurrency"))
 	return algorithm.Limit{}
 }
 

@@ -80,3 +80,43 @@ func TestCompileWhenPolicyCanNeverWorkThenErrorNamesTheField(t *testing.T) {
 		})
 	}
 }
+
+// A concurrency rule is a limit of slots whose leases last leaseTimeout, 30s when absent; a rule
+// charged by the response carries the statuses it charges, codes and classes, and the canonical
+// name of the field its cost comes from.
+func TestCompileWhenRulesAreChargedByTheResponseOrHoldSlotsThenTheyCarryWhatTheProxyNeeds(t *testing.T) {
+	p := newPolicy(
+		v1alpha1.Rule{Name: "in-flight", Concurrency: &v1alpha1.Concurrency{Limit: 10}},
+		v1alpha1.Rule{Name: "slow", Concurrency: &v1alpha1.Concurrency{Limit: 3, LeaseTimeout: ptr.To[v1alpha1.Duration]("2m")}},
+		v1alpha1.Rule{Name: "failures", FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1h"},
+			Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenResponse, Statuses: []v1alpha1.StatusPattern{"401", "403", "5xx"}}},
+		v1alpha1.Rule{Name: "tokens", TokenBucket: &v1alpha1.TokenBucket{Capacity: 1000, Refill: v1alpha1.TokenRefill{Tokens: 1000, Period: "1h"}},
+			Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenResponse}, CostFrom: &v1alpha1.CostFrom{ResponseHeader: "x-tokens-used", Max: 1000}},
+		v1alpha1.Rule{Name: "requests", FixedWindow: &v1alpha1.Window{Limit: 5, Window: "1h"}, Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenRequest}},
+	)
+	c, err := policy.Compile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inFlight, slow, failures, tokens, requests := &c.Rules[0], &c.Rules[1], &c.Rules[2], &c.Rules[3], &c.Rules[4]
+	if inFlight.Limit != (algorithm.Limit{Kind: algorithm.Concurrency, Limit: 10, Period: 30 * time.Second}) || !inFlight.SeesResponse() || inFlight.OnResponse {
+		t.Errorf("in-flight = %+v", inFlight)
+	}
+	if slow.Limit.Period != 2*time.Minute {
+		t.Errorf("slow's lease = %v, want 2m", slow.Limit.Period)
+	}
+	for code, want := range map[int]bool{401: true, 403: true, 500: true, 503: true, 599: true, 200: false, 402: false, 404: false, 499: false, 600: false} {
+		if got := failures.Charges(code); got != want {
+			t.Errorf("failures charges %d: %v, want %v", code, got, want)
+		}
+	}
+	if !failures.OnResponse || !failures.SeesResponse() || failures.CostFrom != nil {
+		t.Errorf("failures = %+v", failures)
+	}
+	if !tokens.Charges(200) || !tokens.Charges(500) || tokens.CostFrom == nil || *tokens.CostFrom != (policy.CostFrom{Header: "X-Tokens-Used", Max: 1000}) {
+		t.Errorf("tokens = %+v, cost from %+v", tokens, tokens.CostFrom)
+	}
+	if requests.OnResponse || requests.SeesResponse() {
+		t.Errorf("a rule charged when Request is decided as any other: %+v", requests)
+	}
+}

@@ -65,3 +65,26 @@ func TestFieldsWhenLimitIsWrittenThenItAllocatesOnce(t *testing.T) {
 		t.Errorf("Limit = %s", got)
 	}
 }
+
+// A concurrency rule's fields say its quota is in concurrent requests, and name no window and no
+// reset: a slot frees when a request ends, which no clock says.
+func TestFieldsWhenARuleIsAConcurrencyLimitThenTheyNameTheUnitAndNoTime(t *testing.T) {
+	c, err := policy.Compile(newPolicy(v1alpha1.Rule{Name: "in-flight", Concurrency: &v1alpha1.Concurrency{Limit: 10}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := c.Rules[0].Fields
+	if f.Policy != `"in-flight";q=10;qu="concurrent-requests"` || f.Limit(3, 30) != `"in-flight";r=3` {
+		t.Errorf("fields %s and %s", f.Policy, f.Limit(3, 30))
+	}
+	pol := parse(t, f.Policy)
+	if qu, ok := pol.Params.Get("qu"); !ok || qu != "concurrent-requests" {
+		t.Errorf("qu = %v", qu)
+	}
+	if _, ok := pol.Params.Get("w"); ok {
+		t.Error("a window is named")
+	}
+	if _, ok := parse(t, f.Limit(3, 30)).Params.Get("t"); ok {
+		t.Error("a reset is named")
+	}
+}

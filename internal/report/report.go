@@ -109,19 +109,22 @@ type Rule struct {
 	Counters
 }
 
-// Counters count the decisions of one rule, as sluice_decisions_total does by result.
+// Counters count the decisions of one rule, as sluice_decisions_total does by result, and the
+// responses it charged, as sluice_response_charges_total does (all but failed).
 type Counters struct {
 	Allowed       uint64 `json:"allowed"`
 	Limited       uint64 `json:"limited"`
 	ShadowLimited uint64 `json:"shadowLimited"`
 	FailedOpen    uint64 `json:"failedOpen"`
 	FailedClosed  uint64 `json:"failedClosed"`
+	Skipped       uint64 `json:"skipped,omitempty"`
+	Charged       uint64 `json:"charged,omitempty"`
 }
 
 // Add returns c+o.
 func (c Counters) Add(o Counters) Counters {
 	return Counters{c.Allowed + o.Allowed, c.Limited + o.Limited, c.ShadowLimited + o.ShadowLimited,
-		c.FailedOpen + o.FailedOpen, c.FailedClosed + o.FailedClosed}
+		c.FailedOpen + o.FailedOpen, c.FailedClosed + o.FailedClosed, c.Skipped + o.Skipped, c.Charged + o.Charged}
 }
 
 // Sub returns c-o, each counter at least 0.
@@ -133,7 +136,7 @@ func (c Counters) Sub(o Counters) Counters {
 		return a - b
 	}
 	return Counters{sub(c.Allowed, o.Allowed), sub(c.Limited, o.Limited), sub(c.ShadowLimited, o.ShadowLimited),
-		sub(c.FailedOpen, o.FailedOpen), sub(c.FailedClosed, o.FailedClosed)}
+		sub(c.FailedOpen, o.FailedOpen), sub(c.FailedClosed, o.FailedClosed), sub(c.Skipped, o.Skipped), sub(c.Charged, o.Charged)}
 }
 
 // Revision identifies a policy file by its content: the controller names the config it renders
@@ -171,11 +174,11 @@ const (
 // digits of its SHA-256, as cluster-api's util/labels/format does: valid, stable, and distinct
 // for names that share their first 54 characters.
 func LabelValue(name string) string {
-	const max = 63
-	if len(name) <= max {
+	const most = 63
+	if len(name) <= most {
 		return name
 	}
 	sum := sha256.Sum256([]byte(name))
 	suffix := "-" + hex.EncodeToString(sum[:4])
-	return name[:max-len(suffix)] + suffix
+	return name[:most-len(suffix)] + suffix
 }

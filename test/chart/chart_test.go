@@ -33,6 +33,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 )
@@ -602,21 +603,17 @@ func waitEstablished(t *testing.T, crd *apiextensionsv1.CustomResourceDefinition
 
 func waitEstablishedNamed(t *testing.T, name string, crd *apiextensionsv1.CustomResourceDefinition) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		err := k8s.Get(context.Background(), client.ObjectKey{Name: name}, crd)
-		if err == nil {
-			for _, c := range crd.Status.Conditions {
-				if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
-					return
-				}
+	poll.WaitFor(t, 30*time.Second, func() error {
+		if err := k8s.Get(context.Background(), client.ObjectKey{Name: name}, crd); err != nil {
+			return err
+		}
+		for _, c := range crd.Status.Conditions {
+			if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
+				return nil
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the CRD is not established: %v %+v", err, crd.Status.Conditions)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return fmt.Errorf("the CRD %s is not established: %+v", name, crd.Status.Conditions)
+	})
 }
 
 func releaseNames(t *testing.T, ns string) []string {
@@ -723,17 +720,12 @@ func removeCRDs(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for _, name := range names {
-		for {
-			err := k8s.Get(ctx, client.ObjectKey{Name: name}, &apiextensionsv1.CustomResourceDefinition{})
-			if apierrors.IsNotFound(err) {
-				break
+	poll.WaitFor(t, 30*time.Second, func() error {
+		for _, name := range names {
+			if err := k8s.Get(ctx, client.ObjectKey{Name: name}, &apiextensionsv1.CustomResourceDefinition{}); !apierrors.IsNotFound(err) {
+				return fmt.Errorf("the CRD %s is not gone: %w", name, err)
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("the CRD %s is not gone: %v", name, err)
-			}
-			time.Sleep(100 * time.Millisecond)
 		}
-	}
+		return nil
+	})
 }

@@ -3,6 +3,7 @@ package crd_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -15,7 +16,7 @@ import (
 
 // The bounds that moved from Go into the schema admit what is at them; one past each is refused
 // by the corpus of test/testdata/invalid (sliding-log-limit-above-10000, redis-address-port-*,
-// managed-redis-zero-memory).
+// managed-redis-zero-memory, concurrency-*, charge-*, cost-from-*).
 func TestSchemaBoundsWhenAtTheirEdgeThenAccepted(t *testing.T) {
 	ns := testenv.Namespace(t, k8s, "schema-bounds")
 	fixed := []v1alpha1.Rule{{Name: "a", FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1s"}}}
@@ -31,6 +32,13 @@ func TestSchemaBoundsWhenAtTheirEdgeThenAccepted(t *testing.T) {
 		{"when a Redis address's port is 65535", fixed, redis("redis.example:65535")},
 		{"when a Redis address's port is 1", fixed, redis("[fd00::1]:1")},
 		{"when a managed Redis has one byte of memory", fixed, &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{MaxMemory: ptr.To(resource.MustParse("1"))}}},
+		{"when a concurrency limit is 10000 and its lease 1h", []v1alpha1.Rule{{Name: "a", Concurrency: &v1alpha1.Concurrency{Limit: 10_000, LeaseTimeout: ptr.To[v1alpha1.Duration]("1h")}}}, nil},
+		{"when a concurrency limit is 1 and its lease 1s", []v1alpha1.Rule{{Name: "a", Cost: ptr.To[int64](1), Concurrency: &v1alpha1.Concurrency{Limit: 1, LeaseTimeout: ptr.To[v1alpha1.Duration]("1s")}}}, nil},
+		{"when costFrom.max is the rule's limit and 16 statuses are charged", []v1alpha1.Rule{{Name: "a", TokenBucket: &v1alpha1.TokenBucket{Capacity: 1000, Refill: v1alpha1.TokenRefill{Tokens: 10, Period: "1s"}},
+			Charge:   &v1alpha1.Charge{When: v1alpha1.ChargeWhenResponse, Statuses: []v1alpha1.StatusPattern{"1xx", "2xx", "3xx", "4xx", "5xx", "100", "199", "200", "401", "403", "429", "500", "502", "503", "504", "599"}},
+			CostFrom: &v1alpha1.CostFrom{ResponseHeader: v1alpha1.HeaderName(strings.Repeat("X", 256)), Max: 1000}}}, nil},
+		{"when costFrom.max is a billion", []v1alpha1.Rule{{Name: "a", SlidingWindowCounter: &v1alpha1.Window{Limit: 1_000_000_000, Window: "1h"},
+			Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenResponse}, CostFrom: &v1alpha1.CostFrom{ResponseHeader: "X-Tokens-Used", Max: 1_000_000_000}}}, nil},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -4,12 +4,9 @@
 package crd_test
 
 import (
-	"flag"
-
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -21,15 +18,15 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-
 	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (
@@ -41,12 +38,14 @@ func TestMain(m *testing.M) {
 	flag.Parse()
 	tier.RunFast(m)
 	var err error
-	env, err = testenv.Start()
+	// kube-controller-manager's ClusterRole aggregation fills the built-in roles for the RBAC
+	// test.
+	env, err = testenv.Start(testenv.WithControllers("clusterrole-aggregation-controller"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	if err := apiextensionsv1.AddToScheme(scheme.Scheme); err != nil {
+	if err := apiextensionsv1.AddToScheme(clientgoscheme.Scheme); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}

@@ -1,8 +1,6 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"bytes"
 	"context"
 	"errors"
@@ -20,6 +18,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // What `make deploy` applies must be accepted by a real API server, in both certificate modes.

@@ -1,8 +1,6 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // kubectl explain prints the CRD's field docs, the API's doc comments: they must say what the
@@ -28,12 +28,13 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 		// The API server publishes a new CRD's OpenAPI a moment after the CRD is established.
 		var out []byte
 		var err error
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		_ = poll.Until(30*time.Second, func() error {
 			out, err = exec.Command(env.Kubectl(), "--kubeconfig", kubeconfig, "explain", field).CombinedOutput()
-			if err == nil || !strings.Contains(string(out), "couldn't find resource") || time.Now().After(deadline) {
-				break
+			if err == nil || !strings.Contains(string(out), "couldn't find resource") {
+				return nil
 			}
-		}
+			return err
+		}) // on a timeout, the last answer fails the test below
 		if err != nil {
 			t.Fatalf("kubectl explain %s: %v\n%s", field, err, out)
 		}
@@ -107,6 +108,31 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 			want:    []string{"one entry each whatever its cost", "limit is at most 10000"},
 			notWant: []string{"bytes per unit"},
 		},
+		{
+			name:  "when a concurrency rule is explained then its slots, leases, refusal and front ends are said",
+			field: "rlp.spec.rules.concurrency",
+			want: []string{"at most limit requests of a client in flight at once", "until its response ends", "every third of leaseTimeout",
+				"frees their slots within leaseTimeout", "Retry-After: 1, which promises no time", "skip the rule and count it as skipped"},
+		},
+		{name: "when a lease timeout is explained then its bounds and default are named", field: "rlp.spec.rules.concurrency.leaseTimeout",
+			want: []string{"From 1s to 1h", "Defaults to 30s"}},
+		{name: "when a concurrency limit is explained then its bound is named", field: "rlp.spec.rules.concurrency.limit", want: []string{"At most 10000"}},
+		{
+			name:  "when charge is explained then the response, its statuses and the overshoot are said",
+			field: "rlp.spec.rules.charge",
+			want:  []string{"when Response, once its response ends", `"5xx"`, "checked before the request is forwarded", "at most that many beyond the limit", "skip such a rule"},
+		},
+		{name: "when charge.when is explained then why it is not on is said", field: "rlp.spec.rules.charge.when", want: []string{"Not \"on\"", "YAML 1.1"}},
+		{name: "when charged statuses are explained then codes, classes and the default are said", field: "rlp.spec.rules.charge.statuses",
+			want: []string{`"401"`, `"5xx"`, "Absent: every response"}},
+		{
+			name:  "when costFrom is explained then the field, its bounds and what an invalid value costs are said",
+			field: "rlp.spec.rules.costFrom",
+			want:  []string{"response header or trailer", "a larger one is charged as max", "is charged cost instead, and counted", "takes it to exhaustion"},
+		},
+		{name: "when costFrom.max is explained then its bound is named", field: "rlp.spec.rules.costFrom.max", want: []string{"At most the rule's capacity or limit"}},
+		{name: "when a rule's skipped count is explained then the front ends are named", field: "rlp.status.rules.skipped", want: []string{"check API", "rate limit service"}},
+		{name: "when a rule's charged count is explained then it is the responses", field: "rlp.status.rules.charged", want: []string{"responses the rule charged"}},
 		{
 			name:  "when conditions are explained then all six types are named",
 			field: "rlp.status.conditions",

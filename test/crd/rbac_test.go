@@ -1,8 +1,6 @@
 package crd_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"bytes"
 	"context"
 	"errors"
@@ -19,12 +17,14 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // Namespace users manage policies with the built-in roles a RoleBinding gives them: config/'s
@@ -34,12 +34,7 @@ import (
 func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t *testing.T) {
 	tier.Needs(t, "the test control plane and kustomize")
 	ctx := context.Background()
-	env, err := testenv.Start(testenv.WithControllers("clusterrole-aggregation-controller"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = env.Stop() })
-	admin := env.Client
+	admin := env.Client // TestMain's control plane runs the aggregation controller
 
 	// The users' ClusterRoles exactly as make deploy installs them.
 	out, err := kustomizeBuild("config/default")
@@ -90,7 +85,7 @@ func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t
 	as := func(user string) client.WithWatch {
 		cfg := rest.CopyConfig(env.Config)
 		cfg.Impersonate = rest.ImpersonationConfig{UserName: user}
-		c, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+		c, err := client.NewWithWatch(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -99,17 +94,12 @@ func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t
 	// The aggregation controller fills the built-in roles in a moment after the ClusterRoles
 	// appear: wait until each user may list the namespace's policies.
 	for user := range users {
-		deadline := time.Now().Add(30 * time.Second)
-		for {
-			err := as(user).List(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace("team-a"))
-			if err == nil {
-				break
+		poll.WaitFor(t, 30*time.Second, func() error {
+			if err := as(user).List(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace("team-a")); err != nil {
+				return fmt.Errorf("%s (%s in team-a) cannot list policies: %w", user, users[user], err)
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s (%s in team-a) cannot list policies after 30s: %v", user, users[user], err)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
+			return nil
+		})
 	}
 
 	policy := func(ns, name string) *v1alpha1.RateLimitPolicy {

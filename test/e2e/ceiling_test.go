@@ -19,17 +19,18 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/apiutil"
-	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -58,7 +59,7 @@ func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
 	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
 		n = v
 	}
-	ctrllog.SetLogger(logr.Discard()) // the bare clients' warnings, which no one reads here
+	logf.SetLogger(logr.Discard()) // the bare clients' warnings, which no one reads here
 	for b.Loop() {
 		for _, create := range []bool{false, true} {
 			env, err := testenv.Start(testenv.WithControllers())
@@ -90,7 +91,7 @@ func BenchmarkProgrammedAgainstItsCeiling(b *testing.B) {
 		start := time.Now()
 		populateWith(b, k8s, ns, n, bareWorkers)
 		created := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		b.ReportMetric(time.Since(start).Seconds(), "s-manager")
 		b.ReportMetric(created.Seconds(), "s-manager-all-created")
 		mgr.Stop()
@@ -150,7 +151,7 @@ func writeBare(ctx context.Context, k8s client.Client, o client.Object, create b
 	if create {
 		return k8s.Create(ctx, o)
 	}
-	gvk, err := apiutil.GVKForObject(o, scheme.Scheme)
+	gvk, err := apiutil.GVKForObject(o, clientgoscheme.Scheme)
 	if err != nil {
 		return err
 	}
@@ -170,7 +171,7 @@ func unthrottledClient(t testing.TB, cfg *rest.Config) client.Client {
 	t.Helper()
 	cfg = rest.CopyConfig(cfg)
 	cfg.QPS, cfg.Burst = -1, 0
-	k8s, err := client.New(cfg, client.Options{Scheme: scheme.Scheme})
+	k8s, err := client.New(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,7 +219,7 @@ func BenchmarkEnforcersStartCeiling(b *testing.B) {
 	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
 		n = v
 	}
-	ctrllog.SetLogger(logr.Discard())
+	logf.SetLogger(logr.Discard())
 	for b.Loop() {
 		ctx := context.Background()
 		env, err := testenv.Start(testenv.WithControllers())
@@ -242,9 +243,9 @@ func BenchmarkEnforcersStartCeiling(b *testing.B) {
 		start := time.Now()
 		programBare(b, k8s, ns, n, false)
 		written := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allPodsReady(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allPodsReady(k8s, ns, n) })
 		podsReady := time.Since(start)
-		waitFor(b, 30*time.Minute, func() error { return allAvailable(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allAvailable(k8s, ns, n) })
 		if dir := os.Getenv("SLUICE_BENCH_PROFILE"); dir != "" {
 			saveAPIServerMetrics(b, env.Config, filepath.Join(dir, "apiserver-metrics.txt"))
 		}

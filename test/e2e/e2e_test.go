@@ -4,14 +4,11 @@
 package e2e_test
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -24,7 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
@@ -34,6 +31,7 @@ import (
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/report"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
@@ -85,7 +83,7 @@ func TestEndToEnd(t *testing.T) {
 	key := client.ObjectKeyFromObject(policy)
 
 	t.Run("when applied then Accepted and Programmed", func(t *testing.T) {
-		waitFor(t, 30*time.Second, func() error {
+		poll.WaitFor(t, 30*time.Second, func() error {
 			if err := k8s.Get(ctx, key, policy); err != nil {
 				return err
 			}
@@ -162,16 +160,15 @@ func TestEndToEnd(t *testing.T) {
 		updated := time.Now()
 		update(t, k8s, key, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].FixedWindow.Limit = 7 })
 		for _, pod := range pods {
-			for i := 0; ; i++ {
+			i := 0
+			poll.WaitFor(t, time.Until(updated.Add(2*time.Second)), func() error {
+				i++
 				resp := send(local.PodURL(&pod, "proxy"), "/open/probe", fmt.Sprintf("probe-%s-%d", pod.Name, i))
-				if strings.Contains(resp.Header.Get("RateLimit-Policy"), `"open";q=7;`) {
-					break
+				if p := resp.Header.Get("RateLimit-Policy"); !strings.Contains(p, `"open";q=7;`) {
+					return fmt.Errorf("pod %s does not enforce the new limit; RateLimit-Policy: %s", pod.Name, p)
 				}
-				if time.Since(updated) > 2*time.Second {
-					t.Fatalf("pod %s did not enforce the new limit within 2s; RateLimit-Policy: %s", pod.Name, resp.Header.Get("RateLimit-Policy"))
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+				return nil
+			})
 		}
 		t.Logf("every replica enforced the new limit %v after the update", time.Since(updated).Round(time.Millisecond))
 		if got := passes("/open/b", "bob", 9); got != 7 {
@@ -219,7 +216,7 @@ func TestEndToEnd(t *testing.T) {
 		if err := redis.Start(); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 5*time.Second, func() error {
+		poll.WaitFor(t, 5*time.Second, func() error {
 			if resp := send(proxy, "/closed/probe", "recovery"); resp.StatusCode != http.StatusOK {
 				return fmt.Errorf("status %d", resp.StatusCode)
 			}
@@ -246,7 +243,7 @@ func TestEndToEnd(t *testing.T) {
 		if err := k8s.Delete(ctx, policy); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 60*time.Second, func() error {
+		poll.WaitFor(t, 60*time.Second, func() error {
 			for _, o := range owned {
 				if err := k8s.Get(ctx, name, o); !apierrors.IsNotFound(err) {
 					return fmt.Errorf("%T %s not collected: %w", o, name, err)
@@ -268,7 +265,7 @@ func TestEndToEnd(t *testing.T) {
 func waitReady(t *testing.T, k8s client.Client, key types.NamespacedName, timeout time.Duration) *v1alpha1.RateLimitPolicy {
 	t.Helper()
 	p := &v1alpha1.RateLimitPolicy{}
-	waitFor(t, timeout, func() error {
+	poll.WaitFor(t, timeout, func() error {
 		if err := k8s.Get(context.Background(), key, p); err != nil {
 			return err
 		}
@@ -298,7 +295,7 @@ func fetchReport(t *testing.T, pod *corev1.Pod) *report.Report {
 func waitDegraded(t *testing.T, k8s client.Client, key types.NamespacedName, want metav1.ConditionStatus, reason string) *metav1.Condition {
 	t.Helper()
 	var c *metav1.Condition
-	waitFor(t, 15*time.Second, func() error {
+	poll.WaitFor(t, 15*time.Second, func() error {
 		p := &v1alpha1.RateLimitPolicy{}
 		if err := k8s.Get(context.Background(), key, p); err != nil {
 			return err
@@ -317,34 +314,9 @@ type reply struct {
 	Header     http.Header
 }
 
-// cluster is a control plane with the webhook configurations, its kubeconfig, and the binaries.
-type cluster struct {
-	env                     *testenv.Env
-	dir, kubeconfig         string
-	managerBin, enforcerBin string
-}
-
-func startCluster(t testing.TB) *cluster {
-	t.Helper()
-	tier.Needs(t, "the test control plane and the built binaries")
-	env, err := testenv.Start(testenv.WithWebhooks(), testenv.WithControllers())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = env.Stop() })
-	c := &cluster{env: env, dir: t.TempDir()}
-	c.kubeconfig = filepath.Join(c.dir, "kubeconfig")
-	if err := env.WriteKubeconfig(c.kubeconfig); err != nil {
-		t.Fatal(err)
-	}
-	if c.managerBin, c.enforcerBin, err = local.Build(context.Background(), c.dir); err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
-
 // okUpstream serves "ok" to every request until the test ends.
 func okUpstream(t testing.TB) *httptest.Server {
+	t.Helper()
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) }))
 	t.Cleanup(up.Close)
 	return up
@@ -356,7 +328,7 @@ func (c *cluster) unthrottled(t testing.TB) client.WithWatch {
 	t.Helper()
 	cfg := rest.CopyConfig(c.env.Config)
 	cfg.QPS, cfg.Burst = -1, 0
-	k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme.Scheme})
+	k8s, err := client.NewWithWatch(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -391,15 +363,11 @@ func update(t *testing.T, k8s client.Client, key types.NamespacedName, change fu
 	}
 }
 
-func waitFor(t testing.TB, timeout time.Duration, f func() error) {
-	t.Helper()
-	testenv.WaitFor(t, timeout, f)
-}
-
 // processLog keeps the processes' output; the test prints it when it fails.
 type processLog = local.Output
 
 func newProcessLog(t *testing.T) *processLog {
+	t.Helper()
 	l := &processLog{}
 	t.Cleanup(func() {
 		if t.Failed() {

@@ -27,6 +27,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -131,7 +132,7 @@ func BenchmarkPoolPoliciesReachReady(b *testing.B) {
 		if err := k8s.Create(ctx, pool); err != nil {
 			b.Fatal(err)
 		}
-		waitFor(b, 2*time.Minute, func() error {
+		poll.WaitFor(b, 2*time.Minute, func() error {
 			if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), pool); err != nil {
 				return err
 			}
@@ -190,7 +191,7 @@ func BenchmarkPoolPoliciesReachReady(b *testing.B) {
 			heap = max(heap, metric(b, admin, "go_memstats_heap_inuse_bytes"))
 		}
 
-		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		quietFor(b, k8s, 10*time.Minute)
 		cpuBefore, _ := mgr.Usage()
 		profile("pool-steady.pprof", "/debug/pprof/profile?seconds=55")
 		writes := countWrites(b, k8s, time.Minute)

@@ -24,6 +24,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -78,7 +79,7 @@ func TestPoolWhenThreeReplicasShareOneRedisThenExactly100Of1000PassAndChangesRea
 	if e := pooled.Status.Enforcer; e.Ready != "3/3" || e.Pool != ns+"/shared" {
 		t.Errorf("pooled status.enforcer %+v, want 3/3 of the pool", e)
 	}
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), pool); err != nil {
 			return err
 		}
@@ -95,16 +96,18 @@ func TestPoolWhenThreeReplicasShareOneRedisThenExactly100Of1000PassAndChangesRea
 	pods := podList.Items
 	checkPath := "/policies/" + ns + "/pooled" + enforcer.ForwardAuthPath
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}
-	ask := func(pod *corev1.Pod, clientKey string) (*http.Response, error) {
+	// ask returns the check API's status and headers for one request of clientKey.
+	ask := func(pod *corev1.Pod, clientKey string) (int, http.Header, error) {
 		req, _ := http.NewRequest(http.MethodGet, local.PodURL(pod, "check")+checkPath, nil)
 		req.Header.Set("X-Forwarded-Method", "GET")
 		req.Header.Set("X-Forwarded-Uri", "/")
 		req.Header.Set("X-Client", clientKey)
 		resp, err := hc.Do(req)
-		if err == nil {
-			_ = resp.Body.Close()
+		if err != nil {
+			return 0, nil, err
 		}
-		return resp, err
+		_ = resp.Body.Close()
+		return resp.StatusCode, resp.Header, nil
 	}
 
 	t.Run("when 1,000 requests of one client reach the three replicas at once then exactly 100 pass", func(t *testing.T) {
@@ -129,13 +132,13 @@ func TestPoolWhenThreeReplicasShareOneRedisThenExactly100Of1000PassAndChangesRea
 				for i := range work {
 					pod := i % len(pods)
 					if i%2 == 0 {
-						resp, err := ask(&pods[pod], "exact")
+						status, _, err := ask(&pods[pod], "exact")
 						switch {
 						case err != nil:
 							failed.Add(1)
-						case resp.StatusCode == http.StatusOK:
+						case status == http.StatusOK:
 							allowed.Add(1)
-						case resp.StatusCode == http.StatusTooManyRequests:
+						case status == http.StatusTooManyRequests:
 							refused.Add(1)
 						default:
 							failed.Add(1)
@@ -166,8 +169,8 @@ func TestPoolWhenThreeReplicasShareOneRedisThenExactly100Of1000PassAndChangesRea
 		update(t, k8s, client.ObjectKeyFromObject(pooled), func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].FixedWindow.Limit = 7 })
 		for i := range pods {
 			for n := 0; ; n++ {
-				resp, err := ask(&pods[i], fmt.Sprintf("probe-%d-%d", i, n))
-				if err == nil && strings.Contains(resp.Header.Get("RateLimit-Policy"), `"hundred";q=7;`) {
+				_, header, err := ask(&pods[i], fmt.Sprintf("probe-%d-%d", i, n))
+				if err == nil && strings.Contains(header.Get("RateLimit-Policy"), `"hundred";q=7;`) {
 					break
 				}
 				if time.Since(updated) > time.Second {

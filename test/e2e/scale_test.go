@@ -29,6 +29,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 // After settling, 200 idle policies cause no writes, no applies and no reconciles: the manager
@@ -46,6 +47,7 @@ func TestStatusWhenPoliciesIdleThenNothingIsWrittenOrApplied(t *testing.T) {
 // idlePolicies creates running policies whose enforcers run and pending ones whose pods wait for
 // a node, waits until they settle, then counts the manager's writes and applies for d: none.
 func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
+	t.Helper()
 	ctx := context.Background()
 	c := startCluster(t)
 	logs := newProcessLog(t)
@@ -67,7 +69,7 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 
 	// Settled: every policy Programmed at its generation, the running ones Ready, and no policy
 	// written for three intervals.
-	waitFor(t, 10*time.Minute, func() error {
+	poll.WaitFor(t, 10*time.Minute, func() error {
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(ctx, &list); err != nil {
 			return err
@@ -87,7 +89,7 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 		return nil
 	})
 	t.Logf("%d Programmed and the %d running Ready %v after the first create", total, running, time.Since(created).Round(time.Second))
-	quietFor(t, k8s, 30*time.Second, 5*time.Minute)
+	quietFor(t, k8s, 5*time.Minute)
 	t.Logf("settled %v after the first create", time.Since(created).Round(time.Second))
 
 	const reconciles, applies, reads = `controller_runtime_reconcile_total{controller="ratelimitpolicy"`, "sluice_manager_applies_total{",
@@ -124,7 +126,10 @@ func makeNamespace(t testing.TB, k8s client.Client, prefix string) string {
 }
 
 // populate creates n memory-storage policies, each in front of a Service of its own, 8 at a time.
-func populate(t testing.TB, k8s client.Client, ns string, n int) { populateWith(t, k8s, ns, n, 8) }
+func populate(t testing.TB, k8s client.Client, ns string, n int) {
+	t.Helper()
+	populateWith(t, k8s, ns, n, 8)
+}
 
 // benchPolicy is the i-th policy of the benchmarks, with the Service it fronts: memory storage,
 // one rule.
@@ -216,9 +221,10 @@ func countWrites(t testing.TB, k8s client.WithWatch, d time.Duration) map[string
 	return writes
 }
 
-// quietFor waits until no policy is written for quiet, at most within timeout.
-func quietFor(t testing.TB, k8s client.WithWatch, quiet, timeout time.Duration) {
+// quietFor waits until no policy is written for 30 s, at most within timeout.
+func quietFor(t testing.TB, k8s client.WithWatch, timeout time.Duration) {
 	t.Helper()
+	const quiet = 30 * time.Second
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
 		var list v1alpha1.RateLimitPolicyList
@@ -333,7 +339,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 		populateWith(b, k8s, ns, n, creators)
 		created := time.Since(start)
 		var programmed, ready time.Duration
-		for programmed == 0 || ready == 0 {
+		err = poll.Every(500*time.Millisecond, 30*time.Minute, func() error {
 			var list v1alpha1.RateLimitPolicyList
 			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
 				b.Fatal(err)
@@ -353,10 +359,13 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			if r == n && ready == 0 {
 				ready = time.Since(start)
 			}
-			if time.Since(start) > 30*time.Minute {
-				b.Fatalf("after 30 minutes: %d of %d Programmed, %d Ready", p, n, r)
+			if programmed == 0 || ready == 0 {
+				return fmt.Errorf("%d of %d Programmed, %d Ready", p, n, r)
 			}
-			time.Sleep(500 * time.Millisecond)
+			return nil
+		})
+		if err != nil {
+			b.Fatal(err)
 		}
 		// Each policy's own latency, from its creation to its condition (both in whole seconds):
 		// what a user who applies one policy among a thousand waits for.
@@ -370,7 +379,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			toProgrammed = max(toProgrammed, meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionProgrammed).LastTransitionTime.Sub(created))
 			toReady = max(toReady, meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionReady).LastTransitionTime.Sub(created))
 		}
-		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		quietFor(b, k8s, 10*time.Minute)
 		cpuBefore, _ := mgr.Usage()
 		profile("steady.pprof", "/debug/pprof/profile?seconds=55")
 		writes := countWrites(b, k8s, time.Minute)
@@ -400,6 +409,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 // saveAPIServerMetrics writes the API server's own metrics to file: apiserver_request_total
 // counts every request of the run by resource, subresource and verb, whoever sent it.
 func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
+	t.Helper()
 	hc, err := rest.HTTPClientFor(cfg)
 	if err != nil {
 		t.Error(err)
@@ -422,6 +432,7 @@ func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
 
 // saveProfile writes what url serves to file.
 func saveProfile(t testing.TB, file, url string) {
+	t.Helper()
 	resp, err := http.Get(url)
 	if err != nil {
 		t.Error(err)
@@ -463,9 +474,9 @@ func BenchmarkManagerMemory(b *testing.B) {
 		ns := makeNamespace(b, k8s, "memory-")
 		start := time.Now()
 		populate(b, k8s, ns, n)
-		waitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
+		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		programmed := time.Since(start)
-		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		quietFor(b, k8s, 10*time.Minute)
 		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")
 		_, peak := mgr.Usage()
 		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")

@@ -23,6 +23,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -44,6 +45,7 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 
 	// namespace makes a namespace whose enforcer pods run, with the Service api to front.
 	namespace := func(t *testing.T, opts local.KubeletOptions) (string, *local.Kubelet) {
+		t.Helper()
 		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "status-"}}
 		if err := k8s.Create(ctx, ns); err != nil {
 			t.Fatal(err)
@@ -101,7 +103,7 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 		}
 		update(t, k8s, key, func(p *v1alpha1.RateLimitPolicy) { p.Spec.Rules[0].FixedWindow.Limit = 9 })
 		var cur string
-		waitFor(t, 2*interval, func() error {
+		poll.WaitFor(t, 2*interval, func() error {
 			p, c := readyCondition(t, key)
 			cur = p.Status.Enforcer.ConfigRevision
 			want := "1/2 replicas serve revision " + cur
@@ -158,7 +160,7 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 			t.Fatal(err)
 		}
 		fixed := time.Now()
-		waitFor(t, 2*interval+10*time.Second, func() error {
+		poll.WaitFor(t, 2*interval+10*time.Second, func() error {
 			p := &v1alpha1.RateLimitPolicy{}
 			if err := k8s.Get(ctx, key, p); err != nil {
 				return err
@@ -201,7 +203,7 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 		}
 		ended := time.Now()
 		want := []v1alpha1.RuleStatus{{Name: "per-client", Allowed: 5, Limited: 3, LimitedShare: "37.5%"}}
-		waitFor(t, interval+3*time.Second, func() error {
+		poll.WaitFor(t, interval+3*time.Second, func() error {
 			p := &v1alpha1.RateLimitPolicy{}
 			if err := k8s.Get(ctx, key, p); err != nil {
 				return err

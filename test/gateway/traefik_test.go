@@ -42,6 +42,7 @@ import (
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/internal/test/tier"
@@ -300,7 +301,7 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		}
 	}
 	created := time.Now()
-	waitFor(t, 90*time.Second, func() error {
+	poll.WaitFor(t, 90*time.Second, func() error {
 		if err := k8s.Get(ctx, client.ObjectKeyFromObject(policy), policy); err != nil {
 			return err
 		}
@@ -310,7 +311,7 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		return nil
 	})
 	t.Logf("policy Ready %v after it was created", time.Since(created).Round(time.Millisecond))
-	waitFor(t, 90*time.Second, func() error {
+	poll.WaitFor(t, 90*time.Second, func() error {
 		if err := k8s.Get(ctx, client.ObjectKeyFromObject(pooledPolicy), pooledPolicy); err != nil {
 			return err
 		}
@@ -328,7 +329,7 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		t.Fatalf("enforcer pods: %d, %v; want 2", len(pods), err)
 	}
 	// The EndpointSlice controller has written both pods' addresses, ready, for the enforcer's Service.
-	waitFor(t, 30*time.Second, func() error {
+	poll.WaitFor(t, 30*time.Second, func() error {
 		var slices discoveryv1.EndpointSliceList
 		if err := k8s.List(ctx, &slices, client.InNamespace(ns.Name), client.MatchingLabels{discoveryv1.LabelServiceName: "sluice-public-api"}); err != nil {
 			return err
@@ -365,7 +366,7 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 	// Traefik loads routes a moment after it reports them: wait until each answers a client of
 	// its own, from the application.
 	for _, path := range []string{"/proxy/ready", "/auth/ready"} {
-		waitFor(t, 30*time.Second, func() error {
+		poll.WaitFor(t, 30*time.Second, func() error {
 			r, err := tryGet(gateway+path, "ready"+path)
 			if err != nil {
 				return err
@@ -560,7 +561,7 @@ func applyYAML(t *testing.T, k8s client.Client, manifests string) {
 // as its status says.
 func waitRouteAccepted(t *testing.T, k8s client.Client, namespace, name string) {
 	t.Helper()
-	waitFor(t, 60*time.Second, func() error {
+	poll.WaitFor(t, 60*time.Second, func() error {
 		var route unstructured.Unstructured
 		route.SetAPIVersion("gateway.networking.k8s.io/v1")
 		route.SetKind("HTTPRoute")
@@ -657,9 +658,4 @@ func tryGet(url, clientKey string) (answer, error) {
 	var body bytes.Buffer
 	_, _ = io.Copy(&body, io.LimitReader(resp.Body, 1<<16))
 	return answer{resp.StatusCode, resp.Header, strings.TrimSpace(body.String())}, nil
-}
-
-func waitFor(t testing.TB, timeout time.Duration, f func() error) {
-	t.Helper()
-	testenv.WaitFor(t, timeout, f)
 }

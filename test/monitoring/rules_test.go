@@ -19,7 +19,7 @@ import (
 )
 
 // rulesFile writes the groups of a PrometheusRule, as Prometheus loads them, to dir/rules.yaml.
-func rulesFile(t *testing.T, dir string, prometheusRule []byte) string {
+func rulesFile(t *testing.T, dir string, prometheusRule []byte) {
 	t.Helper()
 	var pr struct {
 		Spec map[string]any `json:"spec"`
@@ -31,11 +31,9 @@ func rulesFile(t *testing.T, dir string, prometheusRule []byte) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	path := filepath.Join(dir, "rules.yaml")
-	if err := os.WriteFile(path, out, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, "rules.yaml"), out, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	return path
 }
 
 func promtool(t *testing.T, dir string, args ...string) string {

@@ -34,8 +34,8 @@ type refusal struct {
 	d     algorithm.Decision
 }
 
-func newRefusalCache(max int) *refusalCache {
-	c := &refusalCache{seed: maphash.MakeSeed(), perShard: max / refusalShards}
+func newRefusalCache(capacity int) *refusalCache {
+	c := &refusalCache{seed: maphash.MakeSeed(), perShard: capacity / refusalShards}
 	for i := range c.shards {
 		c.shards[i].m = make(map[refusalKey]refusal)
 	}

@@ -4,6 +4,8 @@ package limiter
 
 import (
 	"context"
+	crand "crypto/rand"
+	"encoding/hex"
 	"errors"
 	"math"
 	"math/rand/v2"
@@ -14,6 +16,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"k8s.io/utils/clock"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -72,6 +75,11 @@ type Request struct {
 	// KeysRequired limits the decision to the rules all of whose key sources the request
 	// carries: an Envoy descriptor selects the limits whose keys it names.
 	KeysRequired bool
+	// SeesResponse is true for a front end that tells when the request's response ends and what
+	// it was (the proxies, which then call Result.Pending's End): only it decides concurrency
+	// rules and rules charged by the response. Any other front end skips them, and each is
+	// counted as skipped.
+	SeesResponse bool
 }
 
 // carries reports whether a request carries every key source of a rule.
@@ -120,6 +128,10 @@ type Result struct {
 	Decision algorithm.Decision
 	// Reason says why an Invalid request cannot be decided.
 	Reason string
+	// Pending, for an admitted request of a front end that sees responses, is what it still owes
+	// once its response ends: the leases it holds and the rules its response charges. Nil when
+	// it owes nothing.
+	Pending *Pending
 }
 
 // Limiter decides requests. It is safe for concurrent use; SetPolicies swaps the rules without
@@ -135,6 +147,12 @@ type Limiter struct {
 	// faulty holds the "<policy>/<rule>" of every rule whose decision has failed with a fault, so
 	// each is logged once.
 	faulty sync.Map
+	// clock schedules lease renewals; leaseBase and leaseSeq name requests (leaseName); ending
+	// counts the ends of requests still being written to the store (Settle).
+	clock     clock.WithDelayedExecution
+	leaseBase string
+	leaseSeq  atomic.Uint64
+	ending    sync.WaitGroup
 }
 
 // Options configure a Limiter.
@@ -150,6 +168,8 @@ type Options struct {
 	// it is refused until.
 	RefusalCache bool
 	Now          func() time.Time
+	// Clock schedules the renewals of the leases of requests in flight. Default the real clock.
+	Clock clock.WithDelayedExecution
 	// Log receives the first fault of each rule (see store.ErrFault).
 	Log logr.Logger
 }
@@ -162,7 +182,13 @@ func New(opts Options) *Limiter {
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
 	}
-	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now, log: opts.Log}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	var base [6]byte
+	_, _ = crand.Read(base[:])
+	l := &Limiter{store: opts.Store, metrics: opts.Metrics, now: opts.Now, log: opts.Log, clock: opts.Clock,
+		leaseBase: hex.EncodeToString(base[:]) + "."}
 	if opts.BreakerFailures > 0 {
 		l.breaker = &breaker{failures: opts.BreakerFailures, open: opts.BreakerOpen, now: opts.Now, changed: func(skipping bool) {
 			opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[skipping])
@@ -206,7 +232,9 @@ func (l *Limiter) SetPolicies(ps []*policy.Policy) {
 // Keys names the store key of each rule of the request's policy (Request.Policy) that the request
 // matches, by rule name, as its decision would charge it; or why the request cannot be decided.
 func (l *Limiter) Keys(req *Request) (map[string]string, string) {
-	checks, rules, _, invalid := l.collect(req, nil, nil)
+	r := *req
+	r.SeesResponse = true // the keys of every rule the proxy decides
+	checks, rules, _, invalid := l.collect(&r, nil, nil)
 	if invalid != "" {
 		return nil, invalid
 	}
@@ -287,6 +315,7 @@ func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 	if invalid != "" {
 		return Result{Outcome: Invalid, Reason: invalid}
 	}
+	checks, rules = l.skip(checks, rules)
 	if len(checks) == 0 {
 		return Result{Outcome: Allowed}
 	}
@@ -313,9 +342,19 @@ func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 		if cancelled(ctx, err) {
 			return l.cancelled(rules)
 		}
-		return l.failureModes(checks, rules, err)
+		res := l.failureModes(checks, rules, err)
+		if res.Outcome == Allowed {
+			// The script may have run before the store failed to answer: its leases are
+			// released all the same, and the response is charged if the store is back by then.
+			res.Pending = l.pending(checks, rules, nil)
+		}
+		return res
 	}
-	return jitter(l.result(checks, rules, out, charged, cache))
+	res := jitter(l.result(checks, rules, out, charged, cache))
+	if charged {
+		res.Pending = l.pending(checks, rules, out)
+	}
+	return res
 }
 
 // collect appends the checks and rules of the rules that match a request, and returns the first
@@ -324,6 +363,7 @@ func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 // upstream reads one of the values, and which one is not ours to guess. invalid says why.
 func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (_ []store.Check, _ []matched, idemKey, invalid string) {
 	hits := max(1, req.Hits)
+	lease := "" // the request's name, made once a rule needs it (leaseName)
 	set := l.policies.Load()
 	candidates := set.list
 	var one [1]*policy.Policy
@@ -375,11 +415,48 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			if len(checks) == MaxChecks {
 				return checks, rules, "", "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
 			}
-			checks = append(checks, store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem})
+			c := store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem}
+			if r.SeesResponse() {
+				if !req.SeesResponse {
+					rules = append(rules, matched{r, p}) // skipped: marked by no check (see skip)
+					checks = append(checks, store.Check{})
+					continue
+				}
+				if lease == "" {
+					lease = l.leaseName()
+				}
+				c.Lease, c.Deferred = lease, r.OnResponse
+				if r.Limit.Kind == algorithm.Concurrency {
+					// A repeat is in flight as any request is: it holds a slot of its own.
+					c.Idempotency = nil
+				}
+			}
+			checks = append(checks, c)
 			rules = append(rules, matched{r, p})
 		}
 	}
 	return checks, rules, idemKey, ""
+}
+
+// skip takes out the rules that collect marked as skipped (those only a front end that sees
+// responses decides), counting each, and returns the checks and rules left.
+func (l *Limiter) skip(checks []store.Check, rules []matched) ([]store.Check, []matched) {
+	n := 0
+	for i := range checks {
+		if checks[i].Limit.Kind == 0 {
+			l.metrics.decision(rules[i].of, rules[i].rule.Name, resultSkipped)
+			continue
+		}
+		checks[n], rules[n] = checks[i], rules[i]
+		n++
+	}
+	return checks[:n], rules[:n]
+}
+
+// leaseName is a new request's name, unique across enforcers: 48 random bits of this limiter
+// and a count, at most 24 bytes for the first 36^11 requests (algorithm.LeaseSize counts them so).
+func (l *Limiter) leaseName() string {
+	return l.leaseBase + strconv.FormatUint(l.leaseSeq.Add(1), 36)
 }
 
 // repeated says that a header was sent more than once, and which rule keys on it ("" for the
@@ -424,6 +501,7 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 	per := make([]Result, len(reqs))
 	for i := range reqs {
 		var key, invalid string
+		from := len(checks)
 		checks, rules, key, invalid = l.collect(&reqs[i], checks, rules)
 		if invalid != "" {
 			res := Result{Outcome: Invalid, Reason: invalid}
@@ -432,6 +510,8 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 			}
 			return per, res
 		}
+		c, r := l.skip(checks[from:], rules[from:])
+		checks, rules = checks[:from+len(c)], rules[:from+len(r)]
 		bounds[i+1], idem = len(checks), idem || key != ""
 	}
 	if len(checks) == 0 {

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	clocktesting "k8s.io/utils/clock/testing"
+
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -47,8 +49,10 @@ func (f *fakeStore) Decide(_ context.Context, checks []store.Check, out []algori
 	return charged, nil
 }
 
-func (f *fakeStore) Ping(context.Context) error { return nil }
-func (f *fakeStore) Close() error               { return nil }
+func (f *fakeStore) Finish(context.Context, []store.Check, []algorithm.Decision) error { return f.err }
+func (f *fakeStore) Renew(context.Context, []store.Check, []algorithm.Decision) error  { return f.err }
+func (f *fakeStore) Ping(context.Context) error                                        { return nil }
+func (f *fakeStore) Close() error                                                      { return nil }
 
 func (f *fakeStore) called() int {
 	f.mu.Lock()
@@ -56,12 +60,11 @@ func (f *fakeStore) called() int {
 	return f.calls
 }
 
-// clock is a fake clock for the limiter's Now.
-type clock struct{ now time.Time }
+// newClock is a fake clock for the limiter's Now.
+func newClock() *clocktesting.FakeClock {
+	return clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+}
 
-func (c *clock) Now() time.Time      { return c.now }
-func (c *clock) Add(d time.Duration) { c.now = c.now.Add(d) }
-func newClock() *clock               { return &clock{now: time.Unix(1_700_000_000, 0)} }
 func policies(t *testing.T, doc string) []*policy.Policy {
 	t.Helper()
 	ps, _, err := enforcer.Load([]byte(doc))
@@ -110,7 +113,7 @@ func TestLimiterWhenTheStoreRefusedThenTheCacheAnswersUntilRetryAfter(t *testing
 	if res := l.Decide(ctx, request("/open", "192.0.2.1")); res.Outcome != limiter.Limited || res.RetryAfter != 10*time.Second {
 		t.Fatalf("first: %+v, want Limited for 10s", res)
 	}
-	clk.Add(4 * time.Second)
+	clk.Step(4 * time.Second)
 	if res := l.Decide(ctx, request("/open", "192.0.2.1")); res.Outcome != limiter.Limited || res.RetryAfter != 6*time.Second || fs.called() != 1 {
 		t.Errorf("4s later: %+v after %d store calls, want Limited for the 6s left, from the cache", res, fs.called())
 	}
@@ -119,7 +122,7 @@ func TestLimiterWhenTheStoreRefusedThenTheCacheAnswersUntilRetryAfter(t *testing
 	if n := fs.called(); n != 3 {
 		t.Errorf("store calls = %d, want 3: another client and another rule are not in the cache", n)
 	}
-	clk.Add(6 * time.Second)
+	clk.Step(6 * time.Second)
 	l.Decide(ctx, request("/open", "192.0.2.1"))
 	if n := fs.called(); n != 4 {
 		t.Errorf("store calls = %d at retry-after, want the store asked again", n)
@@ -225,13 +228,13 @@ func TestLimiterWhenTheStoreFailsAndRecoversThenTheBreakerOpensProbesAndCloses(t
 	step("two failures", 2, false)
 	decide(5)
 	step("the third failure opens it; the next four skip the store", 3, true)
-	clk.Add(999 * time.Millisecond)
+	clk.Step(999 * time.Millisecond)
 	decide(3)
 	step("still open a millisecond before the second ends", 3, true)
-	clk.Add(time.Millisecond)
+	clk.Step(time.Millisecond)
 	decide(3)
 	step("one probe after the second; it fails and opens the breaker again", 4, true)
-	clk.Add(time.Second)
+	clk.Step(time.Second)
 	fs.mu.Lock()
 	fs.err = nil
 	fs.mu.Unlock()

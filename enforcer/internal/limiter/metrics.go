@@ -23,19 +23,46 @@ const (
 	resultShadowLimited = "shadow_limited"
 	resultFailedOpen    = "failed_open"
 	resultFailedClosed  = "failed_closed"
+	// resultSkipped: a front end that cannot see a response's end (the check API, Envoy's rate
+	// limit service) did not decide a rule that needs it (a concurrency rule, a rule charged by
+	// the response).
+	resultSkipped = "skipped"
 )
+
+// Results of charges by the response, the values of sluice_response_charges_total's result label.
+const (
+	// chargeCharged: the response charged what it reported, or the rule's cost without costFrom.
+	chargeCharged = "charged"
+	// chargeClamped: the response reported more than costFrom.max, and was charged max.
+	chargeClamped = "clamped"
+	// chargeDefaultCost: the response reported no valid cost (its field missing, repeated, not a
+	// whole number), or never came, and was charged the rule's cost.
+	chargeDefaultCost = "default_cost"
+	// chargeFailed: the store could not take the charge.
+	chargeFailed = "failed"
+)
+
+// Results of lease renewals, the values of sluice_lease_renewals_total's result label.
+const (
+	renewalRenewed = "renewed"
+	renewalFailed  = "failed"
+)
+
+var chargeResults = []string{chargeCharged, chargeClamped, chargeDefaultCost, chargeFailed}
 
 // Metrics are the limiter's Prometheus metrics. Labels name policies (namespace and policy, the
 // name, apart, as kube-state-metrics names objects), rules and results, never client keys or
 // addresses.
 type Metrics struct {
-	decisions    *prometheus.CounterVec
-	storeLatency prometheus.Histogram
-	storeErrors  *prometheus.CounterVec
-	cacheHits    prometheus.Counter
-	cancelled    prometheus.Counter
-	breakerOpen  prometheus.Gauge
-	policyInfo   *prometheus.GaugeVec
+	decisions       *prometheus.CounterVec
+	responseCharges *prometheus.CounterVec
+	leaseRenewals   *prometheus.CounterVec
+	storeLatency    prometheus.Histogram
+	storeErrors     *prometheus.CounterVec
+	cacheHits       prometheus.Counter
+	cancelled       prometheus.Counter
+	breakerOpen     prometheus.Gauge
+	policyInfo      *prometheus.GaugeVec
 	// served is what serve last recorded, by policy ID: a pool's change of one policy among
 	// thousands touches that policy's series alone.
 	served map[string]*policy.Policy
@@ -46,8 +73,16 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "sluice_decisions_total",
-			Help: "Rule decisions by policy (namespace and policy, its name), rule and result (allowed, limited, shadow_limited, failed_open, failed_closed).",
+			Help: "Rule decisions by policy (namespace and policy, its name), rule and result (allowed, limited, shadow_limited, failed_open, failed_closed, skipped: a concurrency rule or one charged by the response, which the check API and Envoy's rate limit service cannot decide).",
 		}, []string{"namespace", "policy", "rule", "result"}),
+		responseCharges: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sluice_response_charges_total",
+			Help: "Responses charged to rules charged by the response (charge.when Response), by policy, rule and result: charged (what the response reported, or the rule's cost), clamped (more than costFrom.max, charged max), default_cost (no valid cost in the response, or no response: the rule's cost), failed (the store could not take the charge).",
+		}, []string{"namespace", "policy", "rule", "result"}),
+		leaseRenewals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sluice_lease_renewals_total",
+			Help: "Renewals of the leases of requests in flight under concurrency rules (one per request every third of its lease timeout), by result: renewed, failed (the lease then lasts to its timeout).",
+		}, []string{"result"}),
 		storeLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "sluice_store_latency_seconds",
 			Help:    "Latency of one store decision, all rules of a request together.",
@@ -75,16 +110,19 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"namespace", "policy"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.decisions, m.storeLatency, m.storeErrors, m.cacheHits, m.cancelled, m.breakerOpen, m.policyInfo)
+		reg.MustRegister(m.decisions, m.responseCharges, m.leaseRenewals, m.storeLatency, m.storeErrors, m.cacheHits, m.cancelled, m.breakerOpen, m.policyInfo)
 	}
 	for _, cause := range []string{causeUnavailable, causeFault} {
 		m.storeErrors.WithLabelValues(cause)
+	}
+	for _, result := range []string{renewalRenewed, renewalFailed} {
+		m.leaseRenewals.WithLabelValues(result)
 	}
 	return m
 }
 
 // results are the values of the result label.
-var results = []string{resultAllowed, resultLimited, resultShadowLimited, resultFailedOpen, resultFailedClosed}
+var results = []string{resultAllowed, resultLimited, resultShadowLimited, resultFailedOpen, resultFailedClosed, resultSkipped}
 
 // serve records the policies in force: sluice_enforcer_policy_info names them; their rules'
 // decision series exist at zero, so that an alert on increase() sees a rule's first
@@ -112,24 +150,40 @@ func (m *Metrics) serve(ps []*policy.Policy) {
 			for _, res := range results {
 				m.decisions.WithLabelValues(p.Namespace, p.Name, p.Rules[i].Name, res)
 			}
+			if p.Rules[i].OnResponse {
+				for _, res := range chargeResults {
+					m.responseCharges.WithLabelValues(p.Namespace, p.Name, p.Rules[i].Name, res)
+				}
+			}
 		}
 	}
 	m.served = next
 }
 
 // drop deletes the series of the rules of old that its successor p (nil: none) no longer has,
-// and old's policy_info when p is nil.
+// the response charges of those p no longer charges by the response, and old's policy_info when
+// p is nil.
 func (m *Metrics) drop(old, p *policy.Policy) {
 	if p == nil {
 		m.policyInfo.DeleteLabelValues(old.Namespace, old.Name)
 	}
 	for i := range old.Rules {
 		name := old.Rules[i].Name
-		if p != nil && slices.ContainsFunc(p.Rules, func(r policy.Rule) bool { return r.Name == name }) {
-			continue
+		var next *policy.Rule
+		if p != nil {
+			if j := slices.IndexFunc(p.Rules, func(r policy.Rule) bool { return r.Name == name }); j >= 0 {
+				next = &p.Rules[j]
+			}
 		}
-		for _, res := range results {
-			m.decisions.DeleteLabelValues(old.Namespace, old.Name, name, res)
+		if next == nil {
+			for _, res := range results {
+				m.decisions.DeleteLabelValues(old.Namespace, old.Name, name, res)
+			}
+		}
+		if old.Rules[i].OnResponse && (next == nil || !next.OnResponse) {
+			for _, res := range chargeResults {
+				m.responseCharges.DeleteLabelValues(old.Namespace, old.Name, name, res)
+			}
 		}
 	}
 }
@@ -138,15 +192,21 @@ func (m *Metrics) decision(p *policy.Policy, rule, result string) {
 	m.decisions.WithLabelValues(p.Namespace, p.Name, rule, result).Inc()
 }
 
+func (m *Metrics) responseCharge(p *policy.Policy, rule, result string) {
+	m.responseCharges.WithLabelValues(p.Namespace, p.Name, rule, result).Inc()
+}
+
 // RuleKey names a rule: its policy's namespace and name, and its own name.
 type RuleKey struct{ Namespace, Policy, Rule string }
 
-// Counters reads sluice_decisions_total back, per rule, for the enforcer's report: the metric
-// is the one count of decisions, so the report and Prometheus cannot disagree.
+// Counters reads sluice_decisions_total and sluice_response_charges_total back, per rule, for
+// the enforcer's report: the metrics are the one count of decisions and charges, so the report
+// and Prometheus cannot disagree.
 func (m *Metrics) Counters() map[RuleKey]report.Counters {
 	ch := make(chan prometheus.Metric)
 	go func() {
 		m.decisions.Collect(ch)
+		m.responseCharges.Collect(ch)
 		close(ch)
 	}()
 	out := map[RuleKey]report.Counters{}
@@ -181,6 +241,10 @@ func (m *Metrics) Counters() map[RuleKey]report.Counters {
 			c.FailedOpen += n
 		case resultFailedClosed:
 			c.FailedClosed += n
+		case resultSkipped:
+			c.Skipped += n
+		case chargeCharged, chargeClamped, chargeDefaultCost:
+			c.Charged += n
 		}
 		out[k] = c
 	}

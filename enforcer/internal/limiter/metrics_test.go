@@ -46,8 +46,8 @@ func TestMetricsWhenPoliciesAreSetThenTheirSeriesExistAndOldOnesGo(t *testing.T)
 	l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{}), Metrics: limiter.NewMetrics(reg)})
 	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
 	decisions := series(t, reg, "sluice_decisions_total")
-	if len(decisions) != 10 {
-		t.Errorf("decision series %v, want 2 rules x 5 results", decisions)
+	if len(decisions) != 12 {
+		t.Errorf("decision series %v, want 2 rules x 6 results", decisions)
 	}
 	for _, want := range []string{"namespace=test,policy=unit,result=failed_closed,rule=closed", "namespace=test,policy=unit,result=allowed,rule=open"} {
 		if !slices.Contains(decisions, want) {
@@ -69,8 +69,8 @@ func TestMetricsWhenPoliciesAreSetThenTheirSeriesExistAndOldOnesGo(t *testing.T)
 			t.Errorf("series %s of a policy no longer served", d)
 		}
 	}
-	if len(decisions) != 10 {
-		t.Errorf("decision series %v, want the new policy's 2 rules x 5 results", decisions)
+	if len(decisions) != 12 {
+		t.Errorf("decision series %v, want the new policy's 2 rules x 6 results", decisions)
 	}
 	if got := series(t, reg, "sluice_enforcer_policy_info"); !slices.Equal(got, []string{"namespace=test,policy=other"}) {
 		t.Errorf("policy info %v after the reload", got)
@@ -106,7 +106,7 @@ func TestMetricsWhenTwoNamespacesHoldAPolicyOfOneNameThenTheirSeriesAreApart(t *
 			t.Errorf("series %s of prod/unit, no longer served", d)
 		}
 	}
-	if got := series(t, reg, "sluice_decisions_total"); len(got) != 10 {
-		t.Errorf("decision series %v, want test/unit's 2 rules x 5 results", got)
+	if got := series(t, reg, "sluice_decisions_total"); len(got) != 12 {
+		t.Errorf("decision series %v, want test/unit's 2 rules x 6 results", got)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/policy"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -73,15 +74,18 @@ func testStores() map[string]func(t *testing.T) store.Store {
 	return map[string]func(t *testing.T) store.Store{
 		"memory": func(*testing.T) store.Store { return store.NewMemory(store.MemoryOptions{}) },
 		"redis standalone": func(t *testing.T) store.Store {
+			t.Helper()
 			return redisStore(t, standaloneOptions(redistest.NewServer(t).Addr()))
 		},
 		"redis cluster": func(t *testing.T) store.Store {
+			t.Helper()
 			return redisStore(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: redistest.NewCluster(t, 3).Addrs(), Timeout: 2 * time.Second})
 		},
 	}
 }
 
 func redisStore(t *testing.T, opts store.RedisOptions) store.Store {
+	t.Helper()
 	s, err := store.NewRedis(opts)
 	if err != nil {
 		t.Fatal(err)
@@ -91,6 +95,7 @@ func redisStore(t *testing.T, opts store.RedisOptions) store.Store {
 }
 
 func reloadUnderTraffic(t *testing.T, s store.Store, old, next *policy.Policy) {
+	t.Helper()
 	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, RefusalCache: true})
 	l.SetPolicies([]*policy.Policy{old})
 	req := &limiter.Request{Method: "GET", Path: "/", Peer: netip.MustParseAddr("192.0.2.1")}
@@ -142,14 +147,11 @@ func reloadUnderTraffic(t *testing.T, s store.Store, old, next *policy.Policy) {
 	}
 	l.SetPolicies([]*policy.Policy{next})
 	close(reloaded)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+	_ = poll.Until(10*time.Second, poll.True("40 decisions under the new policies", func() bool {
 		mu.Lock()
-		n := underNext
-		mu.Unlock()
-		if n >= 40 || time.Now().After(deadline) {
-			break
-		}
-	}
+		defer mu.Unlock()
+		return underNext >= 40
+	})) // on a timeout the counts below fail the test
 	close(stop)
 	wg.Wait()
 	if unavailable > 0 {

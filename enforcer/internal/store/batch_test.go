@@ -7,6 +7,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -21,6 +22,8 @@ func TestBatcherWhenTheCallerGaveUpBeforeItsPipelineThenTheScriptIsNeverSent(t *
 	if err := script.Load(ctx, client).Err(); err != nil {
 		t.Fatal(err)
 	}
+	pipelines := make(chan int, 16) // the calls of each pipeline the dispatcher writes
+	client.AddHook(pipelineHook(pipelines))
 	b := newBatcher(client, script, 1, time.Second) // one dispatcher: the second call must wait
 	t.Cleanup(b.close)
 
@@ -36,17 +39,24 @@ func TestBatcherWhenTheCallerGaveUpBeforeItsPipelineThenTheScriptIsNeverSent(t *
 		return done
 	}
 	first := call("first", 300*time.Millisecond) // the dispatcher is stuck on it until it times out
-	time.Sleep(50 * time.Millisecond)
+	if n := <-pipelines; n != 1 {
+		t.Fatalf("the first pipeline holds %d calls, want the first alone", n)
+	}
 	second := call("second", 50*time.Millisecond) // gives up while it waits behind the first
-	time.Sleep(20 * time.Millisecond)
+	poll.WaitFor(t, 10*time.Second, poll.True("the second call queued", func() bool { return len(b.calls) == 1 }))
 	third := call("third", 5*time.Second) // waits patiently, in the same next pipeline
+	poll.WaitFor(t, 10*time.Second, poll.True("the third call queued", func() bool { return len(b.calls) == 2 }))
 	if err := <-first; err == nil {
 		t.Fatal("the first call succeeded against a frozen Redis")
 	}
 	if err := <-second; err == nil {
 		t.Fatal("the second call succeeded against a frozen Redis")
 	}
-	time.Sleep(100 * time.Millisecond) // the dispatcher now writes the next pipeline
+	// The dispatcher takes both waiting calls and writes its next pipeline to the frozen server,
+	// without the call that gave up.
+	if n := <-pipelines; n != 1 {
+		t.Fatalf("the next pipeline holds %d calls, want the third alone", n)
+	}
 	srv.Resume()
 	if err := <-third; err != nil {
 		t.Fatalf("the patient call failed: %v", err)
@@ -58,5 +68,17 @@ func TestBatcherWhenTheCallerGaveUpBeforeItsPipelineThenTheScriptIsNeverSent(t *
 	}
 	if n, err := admin.Exists(ctx, "second").Result(); err != nil || n != 0 {
 		t.Errorf("the script of the caller that gave up ran (exists = %d, error %v); it must never be sent", n, err)
+	}
+}
+
+// pipelineHook sends the number of commands of each pipeline on its channel as it is written.
+type pipelineHook chan<- int
+
+func (h pipelineHook) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (h pipelineHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (h pipelineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h <- len(cmds)
+		return next(ctx, cmds)
 	}
 }

@@ -227,6 +227,7 @@ func BenchmarkRedisMemoryPerKey(b *testing.B) {
 }
 
 func usedMemory(b *testing.B, c *redis.Client) int64 {
+	b.Helper()
 	info, err := c.Info(context.Background(), "memory").Result()
 	if err != nil {
 		b.Fatal(err)
@@ -240,6 +241,7 @@ func usedMemory(b *testing.B, c *redis.Client) int64 {
 var startServer = redistest.StartServer
 
 func startFresh(b *testing.B) string {
+	b.Helper()
 	srv, err := startServer()
 	if err != nil {
 		b.Fatal(err)

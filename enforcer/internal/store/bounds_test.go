@@ -2,11 +2,14 @@ package store_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"runtime"
 	"strconv"
 	"testing"
 	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
@@ -21,7 +24,7 @@ func TestStoresWhenCostExceedsTheLimitThenRefusedAsNeverWithoutErrorOrCharge(t *
 		for _, l := range allKinds(5, time.Minute) {
 			for _, cost := range []int64{6, 1000, math.MaxInt64} {
 				t.Run(tg.name+"/"+l.Kind.String(), func(t *testing.T) {
-					clock := &fakeClock{now: start}
+					clock := clocktesting.NewFakeClock(start)
 					s := tg.make(t, clock.Now)
 					tag := uniqueTag(t, cost)
 					one := []store.Check{{Limit: l, Cost: 2, Enforce: true, Tag: tag, Rule: "r"}}
@@ -104,7 +107,9 @@ func TestMemoryWhenKeysAreHeldThenTheirCountedBytesCoverTheHeap(t *testing.T) {
 	for i := range keys {
 		l := kinds[i%len(kinds)]
 		c := []store.Check{{Limit: l, Cost: 1 + int64(i%3), Enforce: true, Tag: store.Tag("p", strconv.Itoa(i)), Rule: "ruleid01"}}
-		for range 3 {
+		for j := range 3 {
+			// A lease's name as long as the limiter's, each its own string, as each request's is.
+			c[0].Lease = fmt.Sprintf("%012x.%07d", i, j)
 			if _, err := s.Decide(context.Background(), c, out); err != nil {
 				t.Fatal(err)
 			}
@@ -142,11 +147,11 @@ func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *test
 	// A key whose log grows past its shard's share evicts the others, never itself.
 	tag := store.Tag("p", "grows")
 	c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: tag, Rule: "ruleid01"}}
-	now := time.Unix(1_700_000_000, 0)
-	s2 := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1, Now: func() time.Time { return now }})
+	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	s2 := store.NewMemory(store.MemoryOptions{MaxBytes: maxBytes, SweepInterval: -1, Now: clock.Now})
 	defer func() { _ = s2.Close() }()
 	for i := range 500 {
-		now = now.Add(time.Millisecond)
+		clock.Step(time.Millisecond)
 		if _, err := s2.Decide(context.Background(), c, out); err != nil || !out[0].Allowed || out[0].Remaining != int64(9_999-i) {
 			t.Fatalf("request %d: %+v, %v", i, out[0], err)
 		}
@@ -156,15 +161,15 @@ func TestMemoryWhenMaxBytesIsReachedThenOneMoreKeyEvictsAndTheBoundHolds(t *test
 // A hot sliding log whose entries keep leaving its window holds an array of the order of the
 // entries in the window: what left is compacted away, and the bytes counted follow.
 func TestMemoryWhenASlidingLogSlidesForLongThenItsArrayStaysTheSizeOfItsWindow(t *testing.T) {
-	now := time.Unix(1_700_000_000, 0)
-	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1, Now: func() time.Time { return now }})
+	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1, Now: clock.Now})
 	defer func() { _ = s.Close() }()
 	l := algorithm.Limit{Kind: algorithm.SlidingLog, Limit: 10_000, Period: time.Second}
 	c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: store.Tag("p", "hot"), Rule: "ruleid01"}}
 	out := make([]algorithm.Decision, 1)
 	most := int64(0)
 	for i := range 200_000 {
-		now = now.Add(time.Millisecond) // 1,000 entries in the window
+		clock.Step(time.Millisecond) // 1,000 entries in the window
 		if _, err := s.Decide(context.Background(), c, out); err != nil || !out[0].Allowed {
 			t.Fatalf("request %d: %+v, %v", i, out[0], err)
 		}

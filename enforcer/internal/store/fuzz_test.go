@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/redis/go-redis/v9"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -41,6 +42,27 @@ func (in *fuzzInput) intn(n int64) int64 {
 
 func (in *fuzzInput) done() bool { return len(in.b) == 0 }
 
+// n and b are a seed's numbers as fuzzInput reads them: n one that intn reads whole (below its
+// bound), b one byte.
+type (
+	n uint32
+	b byte
+)
+
+// fuzzSeed writes the numbers and bytes of an input.
+func fuzzSeed(parts ...any) []byte {
+	var out []byte
+	for _, p := range parts {
+		switch v := p.(type) {
+		case n:
+			out = append(out, byte(v>>24), byte(v>>16), byte(v>>8), byte(v))
+		case b:
+			out = append(out, byte(v))
+		}
+	}
+	return out
+}
+
 // fuzzCost is mostly a cost within the limit, sometimes one past it, and sometimes one that
 // only a multiplication by hits_addend makes: up to 2^63-1.
 func fuzzCost(in *fuzzInput, limit int64) int64 {
@@ -57,9 +79,10 @@ func fuzzCost(in *fuzzInput, limit int64) int64 {
 }
 
 // fuzzLimit is one rule: any algorithm, a limit up to 200, a rate up to the limit, a period of
-// one second to a day and a second, and a leaky bucket's longest wait up to the time its queue takes to drain.
+// one second to a day and a second (a concurrency limit's lease timeout), and a leaky bucket's
+// longest wait up to the time its queue takes to drain.
 func fuzzLimit(in *fuzzInput) algorithm.Limit {
-	l := algorithm.Limit{Kind: algorithm.Kind(1 + in.intn(5)), Limit: 1 + in.intn(200)}
+	l := algorithm.Limit{Kind: algorithm.Kind(1 + in.intn(6)), Limit: 1 + in.intn(200)}
 	l.Period = time.Second + time.Duration(in.intn(86_400_000))*time.Millisecond
 	l.Rate = 1 + in.intn(l.Limit)
 	if l.Kind == algorithm.LeakyBucket {
@@ -78,28 +101,42 @@ var fuzzCluster = os.Getenv("FUZZ_CLUSTER") == "1"
 
 // FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically is the differential: the
 // memory store (the Go algorithms) and the Lua script on a real Redis, fed the same rules (one to
-// four, of any algorithm, enforced or shadow, of one or two clients, a rule named twice, and
-// idempotency records of two policies), the same request sequences with costs up to 2^63-1, and
-// the same clock (the test passes the time to both, so the comparison is exact), reach the same
-// decisions field by field, on a standalone Redis and on a Cluster; after every call, every key and record the decision names exists
-// with a TTL or not at all.
+// four, of any algorithm, concurrency included, enforced or shadow, charged by the request or by
+// the response, of one or two clients, a rule named twice, and idempotency records of two
+// policies), the same request sequences with costs up to 2^63-1, each request named (its lease),
+// and among the decisions the ends of admitted requests (Finish: leases released, responses
+// charged at any cost) and renewals of their leases (Renew), and the same clock (the test passes
+// the time to both, so the comparison is exact), reach the same decisions field by field, on a
+// standalone Redis and on a Cluster; after every call, every key and record the call names
+// exists with a TTL or not at all.
 //
 // Redis expires keys by its own clock while the test's clock jumps by hours, so after checking
-// each key's TTL the test extends it by a day and ends it itself once the test's clock passes
-// the TTL, as Redis does by the clock its TIME reads in production. (A key kept past its TTL is
+// each key's TTL the test extends it far and ends it itself once the test's clock passes the
+// TTL, as Redis does by the clock its TIME reads in production. (A key kept past its TTL is
 // not always idle: a sliding window counter's packed value holds its window index modulo 4.)
 func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testing.F) {
 	for _, seed := range [][]byte{
 		{0, 0, 0, 0, 0, 0, 0, 5},
 		[]byte("\x03\x00\x00\x00\x00\x00\x00\x00\x07\x00\x00\x01\x00\x01\x01\x00\x00\x00\x03\x00\x00\x00\x10\xff\x00\x00\x00\x02"),
 		[]byte("\x02\x01\x00\x00\x00\x03\x00\x00\x00\x04\x00\x00\x10\x00\x00\x00\x00\x02\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x01\x00\xc8\x00\xf0\x00\xfa\xff\xfb\x01\x02\x03\x04\x05\x06\x07\x08"),
+		// A concurrency limit of 2 (leases of 11s) beside a fixed window of 10 charged by the
+		// response: three requests, the end of the first (its response charged 5), a renewal of
+		// the second, a fourth request, the end of the second.
+		fuzzSeed(n(0), n(1), n(5), n(1), n(10_000), n(0), b(1), n(0), n(2), n(9), n(0), n(0), b(1), n(0), b(1), b(1), b(0),
+			n(0), b(0), b(0), n(1), b(0), n(1),
+			n(0), b(0), b(0), n(1), b(0), n(1),
+			n(0), b(0), b(0), n(1), b(0), n(1),
+			n(1_000_000), b(250), b(0), n(5),
+			n(2_000_000), b(200),
+			n(0), b(0), b(0), n(1), b(0), n(1),
+			n(3_000_000), b(250), b(0), n(20)),
 	} {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		tier.Needs(t, "redis-server")
 		in := &fuzzInput{b: data}
-		clock := &fakeClock{now: time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond)}
+		clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond))
 		mem := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
 		defer func() { _ = mem.Close() }()
 		opts := store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: 10 * time.Second}
@@ -119,8 +156,10 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 		checks := make([]store.Check, 1+in.intn(4))
 		for i := range checks {
 			checks[i] = store.Check{Limit: fuzzLimit(in), Enforce: in.byte()%4 != 0, Tag: tags[in.intn(2)], Rule: fmt.Sprintf("r%d", i)}
+			// A quarter of the rate rules are charged by the response.
+			checks[i].Deferred = checks[i].Limit.Kind != algorithm.Concurrency && in.byte()%4 == 1
 			if i > 0 && in.byte()%16 == 0 {
-				checks[i].Rule, checks[i].Tag, checks[i].Limit = checks[0].Rule, checks[0].Tag, checks[0].Limit // named twice
+				checks[i].Rule, checks[i].Tag, checks[i].Limit, checks[i].Deferred = checks[0].Rule, checks[0].Tag, checks[0].Limit, checks[0].Deferred // named twice
 			}
 		}
 		// A quarter of the inputs name idempotency records: two keys of two policies' settings,
@@ -151,6 +190,7 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 		ctx := context.Background()
 		ends := map[string]time.Time{}       // each key's TTL by the test's clock
 		recordEnds := map[string]time.Time{} // each record's TTL by the wall clock, Redis's
+		var admitted [][]store.Check         // the requests charged and not yet finished
 		for step := 0; step < 64 && !in.done(); step++ {
 			if k := ending(recordEnds); k != "" {
 				t.Logf("record %s ends by Redis's clock, which the test does not drive: compared up to here", k)
@@ -161,11 +201,48 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 				maxPeriod = max(maxPeriod, checks[i].Limit.Period)
 			}
 			if !idem {
-				clock.Add(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
+				clock.Step(time.Duration(in.intn(int64(2*maxPeriod/time.Microsecond)+1)) * time.Microsecond)
 			}
 			expire(t, rs.Client(), ends, clock.Now())
+			if op := in.byte(); op >= 192 && len(admitted) > 0 {
+				// The end of an admitted request, or a renewal of its leases: its own checks, and
+				// any cost for the responses' charges.
+				req := admitted[0]
+				if op >= 240 {
+					admitted = admitted[1:]
+					for i := range req {
+						if req[i].Limit.Kind != algorithm.Concurrency {
+							req[i].Cost = fuzzCost(in, req[i].Limit.Limit)
+						}
+					}
+				}
+				want, got := make([]algorithm.Decision, len(req)), make([]algorithm.Decision, len(req))
+				call := store.Store.Renew
+				if op >= 240 {
+					call = store.Store.Finish
+				}
+				if err := call(mem, ctx, req, want); err != nil {
+					t.Fatalf("step %d: memory: %v", step, err)
+				}
+				if err := call(rs, ctx, req, got); err != nil {
+					t.Fatalf("step %d: redis: %v (checks %+v)", step, err, req)
+				}
+				if !cmp.Equal(want, got, equal) {
+					t.Fatalf("step %d at %v, %s of %+v: (-memory +redis):\n%s", step, clock.Now().UnixMicro(),
+						map[bool]string{true: "finish", false: "renewal"}[op >= 240], req, cmp.Diff(want, got))
+				}
+				// A post-response charge writes its key; a release or a renewal changes one that exists.
+				wrote := func(i int) bool {
+					return op >= 240 && req[i].Limit.Kind != algorithm.Concurrency && want[i].Allowed && want[i].Reset < 2*time.Millisecond
+				}
+				if !keepKeys(t, rs.Client(), req, wrote, ends, clock.Now()) {
+					return
+				}
+				continue
+			}
 			for i := range checks {
 				checks[i].Cost = fuzzCost(in, checks[i].Limit.Limit)
+				checks[i].Lease = fmt.Sprintf("%s/%d", run, step)
 			}
 			want, got := make([]algorithm.Decision, len(checks)), make([]algorithm.Decision, len(checks))
 			wantCharged, err := mem.Decide(ctx, checks, want)
@@ -191,6 +268,9 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 				t.Fatalf("step %d at %v, checks %+v: charged %v (memory) and %v (redis); decisions (-memory +redis):\n%s",
 					step, clock.Now().UnixMicro(), checks, wantCharged, gotCharged, cmp.Diff(want, got))
 			}
+			if wantCharged {
+				admitted = append(admitted, append([]store.Check(nil), checks...))
+			}
 			for i := range checks {
 				if d := want[i]; d.Allowed && d.Never || d.Never != (checks[i].Cost > checks[i].Limit.Limit) || d.Remaining < 0 || d.Remaining > d.Limit {
 					t.Fatalf("step %d rule %d cost %d: %+v", step, i, checks[i].Cost, d)
@@ -198,7 +278,10 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 			}
 			// Both checks run for every key; an input whose states Redis's own clock has moved
 			// apart ends here, compared up to this step.
-			keys, records := keepKeys(t, rs.Client(), checks, want, wantCharged, ends, clock.Now()), keepRecords(t, rs.Client(), checks, want, decided, recordEnds)
+			wrote := func(i int) bool {
+				return wantCharged && want[i].Allowed && checks[i].Cost > 0 && !checks[i].Deferred && want[i].Reset < 2*time.Millisecond
+			}
+			keys, records := keepKeys(t, rs.Client(), checks, wrote, ends, clock.Now()), keepRecords(t, rs.Client(), checks, want, decided, recordEnds)
 			if !keys || !records {
 				return
 			}
@@ -207,40 +290,50 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 }
 
 // keepKeys fails unless every key of the checks has a TTL or does not exist, then notes in ends
-// when the TTL ends by the test's clock, now, and extends it by a day (see the fuzz target). It
-// reports false when a key ended by Redis's clock before it could be extended: the two stores no
-// longer hold comparable states.
-func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, charged bool, ends map[string]time.Time, now time.Time) (comparable bool) {
+// when the TTL ends by the test's clock, now, and extends it by keyExtension (see the fuzz
+// target). It reports false when a key that the call wrote with a TTL of a millisecond or so
+// (wrote) ended by Redis's clock before it could be extended: the two stores no longer hold the
+// same states.
+func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote func(i int) bool, ends map[string]time.Time, now time.Time) (same bool) {
 	t.Helper()
 	ctx := context.Background()
-	comparable = true
+	same = true
 	for i := range checks {
 		k := checks[i].Key()
 		ttl, err := c.PTTL(ctx, k).Result()
 		switch {
 		case err != nil:
 			t.Fatal(err)
-		case ttl == -2*time.Nanosecond && charged && out[i].Allowed && checks[i].Cost > 0 && out[i].Reset < 2*time.Millisecond:
+		case ttl == -2*time.Nanosecond && wrote(i):
 			// Written with a TTL of a millisecond of Redis's clock, which ended before the test
 			// could extend it: the stores now hold different states, through no fault of either.
 			t.Logf("key %s expired by Redis's clock before the test extended it: compared up to here", k)
-			comparable = false
+			same = false
 			continue
 		case ttl == -2*time.Nanosecond:
 			continue // no such key
 		case ttl < 0: // -1: no TTL; 0 is one that ends within the millisecond
 			t.Fatalf("key %s of rule %d has no TTL: PTTL %v", k, i, ttl)
+		case ttl > keyExtension/2:
+			// Not written since the test extended it: the end noted then stands. (Read as a new
+			// TTL, it would keep a key for ever, and a sliding window counter's packed window
+			// index, modulo 4, misread once four windows had passed.)
+			continue
 		}
 		// A second late, so that Redis's clock, which moved while the test read the TTL, cannot
 		// make it end before the state is idle; it ends within a sliding window counter's four
 		// windows all the same (windows are a second or longer here).
 		ends[k] = now.Add(ttl + time.Second)
-		if err := c.PExpire(ctx, k, ttl+24*time.Hour).Err(); err != nil {
+		if err := c.PExpire(ctx, k, ttl+keyExtension).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
-	return comparable
+	return same
 }
+
+// keyExtension is what keepKeys adds to a key's TTL: far beyond any TTL a call writes (two days
+// at most here), so that a TTL above half of it is one the test set.
+const keyExtension = 1000 * 24 * time.Hour
 
 // expire deletes the keys whose TTL, by the test's clock, ended at or before now.
 func expire(t *testing.T, c redis.UniversalClient, ends map[string]time.Time, now time.Time) {
@@ -260,9 +353,9 @@ func expire(t *testing.T, c redis.UniversalClient, ends map[string]time.Time, no
 // stands still in these sequences; see ending). It reports false for an input whose record may
 // have ended already: a refusal's record lives for its Retry-After, which may be a millisecond,
 // less than the time since the decision, decided.
-func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (comparable bool) {
+func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, out []algorithm.Decision, decided time.Time, ends map[string]time.Time) (same bool) {
 	t.Helper()
-	comparable = true
+	same = true
 	shortRefusal := false
 	for i := range out {
 		shortRefusal = shortRefusal || !out[i].Allowed && !out[i].Never && out[i].RetryAfter <= time.Since(decided)+10*time.Millisecond
@@ -279,7 +372,7 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 			t.Fatal(err)
 		case ttl == -2*time.Nanosecond && shortRefusal:
 			t.Logf("record %s may have ended by Redis's clock already: compared up to here", k)
-			comparable = false
+			same = false
 		case ttl == -2*time.Nanosecond:
 		case ttl < 0:
 			t.Fatalf("record %s of rule %d has no TTL: PTTL %v", k, i, ttl)
@@ -287,7 +380,7 @@ func keepRecords(t *testing.T, c redis.UniversalClient, checks []store.Check, ou
 			ends[k] = read.Add(ttl)
 		}
 	}
-	return comparable
+	return same
 }
 
 // ending names a record that ends by the wall clock within the next 100ms, or none: the memory

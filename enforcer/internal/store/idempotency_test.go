@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -19,6 +20,7 @@ import (
 // idemCheck is a fixed-window check of limit per hour for client, carrying the idempotency key
 // key ("" for none).
 func idemCheck(t *testing.T, target, client string, limit int64, key string, free int64) store.Check {
+	t.Helper()
 	c := store.Check{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: limit, Period: time.Hour},
 		Cost: 1, Enforce: true, Rule: "r", Tag: uniqueTag(t, target, client)}
 	if key != "" {
@@ -42,7 +44,7 @@ func decideOnce(t *testing.T, s store.Store, c store.Check) algorithm.Decision {
 func TestStoresWhenARequestIsRepeatedWithItsIdempotencyKeyThenItIsChargedOnce(t *testing.T) {
 	for _, tg := range targets() {
 		t.Run(tg.name, func(t *testing.T) {
-			clock := &fakeClock{now: time.Unix(1_700_000_000, 0)}
+			clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 			s := tg.make(t, clock.Now)
 
 			// The response of an admitted request is lost, and the client retries: the bucket is
@@ -50,7 +52,7 @@ func TestStoresWhenARequestIsRepeatedWithItsIdempotencyKeyThenItIsChargedOnce(t 
 			if d := decideOnce(t, s, idemCheck(t, tg.name, "alice", 1, "order-1", 3)); !d.Allowed || d.Remaining != 0 {
 				t.Fatalf("first request: %+v", d)
 			}
-			clock.Add(time.Second)
+			clock.Step(time.Second)
 			if d := decideOnce(t, s, idemCheck(t, tg.name, "alice", 1, "order-1", 3)); !d.Allowed || d.Remaining != 0 || d.Wait != 0 {
 				t.Errorf("the repeat of an admitted request: %+v, want it to pass, uncharged", d)
 			}
@@ -94,7 +96,7 @@ func TestStoresWhenARequestIsRepeatedWithItsIdempotencyKeyThenItIsChargedOnce(t 
 			if tg.redis {
 				return
 			}
-			clock.Add(2 * time.Hour)
+			clock.Step(2 * time.Hour)
 			if d := decideOnce(t, s, idemCheck(t, tg.name, "alice", 1, "order-1", 3)); !d.Allowed || d.Remaining != 0 {
 				t.Errorf("order-1 two hours later: %+v, want decided and charged as new", d)
 			}
@@ -244,7 +246,7 @@ func TestStoresWhenARepeatMatchesRulesOfAnotherPolicyThenOnlyItsRecordsRulesPass
 func TestStoresWhenARequestThatCanNeverPassIsRepeatedThenTheRepeatCanNeverPassEither(t *testing.T) {
 	for _, tg := range targets() {
 		t.Run(tg.name, func(t *testing.T) {
-			clock := &fakeClock{now: time.Unix(1_700_000_000, 0)}
+			clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 			s := tg.make(t, clock.Now)
 			huge := idemCheck(t, tg.name, "alice", 5, "order-1", 3)
 			huge.Cost = 6

@@ -13,7 +13,8 @@ import (
 
 // The key layout, all of it here. Every key of Sluice's in Redis is
 //
-//	sl{<tag>}<rule>   a rule's state for one client: Check.Key, 28 bytes
+//	sl{<tag>}<rule>   a rule's state for one client: Check.Key, 28 bytes (a concurrency limit's
+//	                  is the sorted set of its client's leases, members <request>:<slots>)
 //	sl{<tag>}i<rec>   an idempotency record of that client: Check.recordKey
 //
 // where <tag> is Tag(policy ID, ClientKey(...)), the Redis Cluster hash tag shared by every key

@@ -82,7 +82,7 @@ type memoryEntry struct {
 
 // size is the bytes the entry holds under key k.
 func (e *memoryEntry) size(k memoryKey) int64 {
-	return entryBytes + int64(len(k.tag)+len(k.rule)) + int64(cap(e.buf))*algorithm.LogEntrySize
+	return entryBytes + int64(len(k.tag)+len(k.rule)) + int64(cap(e.buf))*algorithm.LogEntrySize + int64(cap(e.st.Leases))*algorithm.LeaseSize
 }
 
 // keep stores a charged state. A sliding log's array is the entry's own once stored: it is
@@ -295,9 +295,21 @@ func (d *memoryDecision) take() {
 			continue
 		}
 		d.free[i] = false
-		st, dec := c.Limit.Take(st, d.at, c.Cost)
+		st, dec := c.take(st, d.at)
 		d.states, d.out[i] = append(d.states, st), dec
 	}
+}
+
+// take decides a check at its cost, as the Redis script does: a deferred check (charged by the
+// response) that would admit its cost reports its state as it stays, since nothing is charged.
+func (c *Check) take(st algorithm.State, at time.Time) (algorithm.State, algorithm.Decision) {
+	next, d := c.Limit.TakeAs(st, at, c.Cost, c.Lease)
+	if !c.Deferred || !d.Allowed {
+		return next, d
+	}
+	_, d = c.Limit.Take(st, at, 0)
+	d.Allowed = true
+	return st, d
 }
 
 // commitOrRefuseRepeat reports whether the decision is charged: every enforced check allowed,
@@ -370,6 +382,55 @@ func (d *memoryDecision) charge() {
 	}
 }
 
+// Finish implements Store: each check in turn, under the locks of their shards.
+func (s *Memory) Finish(_ context.Context, checks []Check, out []algorithm.Decision) error {
+	s.settle(checks, out, func(c *Check, st algorithm.State, at time.Time) (algorithm.State, algorithm.Decision) {
+		if c.Limit.Kind == algorithm.Concurrency {
+			return c.Limit.Release(st, at, c.Lease, c.Cost)
+		}
+		return c.Limit.Charge(st, at, c.Cost)
+	})
+	return nil
+}
+
+// Renew implements Store.
+func (s *Memory) Renew(_ context.Context, checks []Check, out []algorithm.Decision) error {
+	s.settle(checks, out, func(c *Check, st algorithm.State, at time.Time) (algorithm.State, algorithm.Decision) {
+		if c.Limit.Kind == algorithm.Concurrency {
+			return c.Limit.Renew(st, at, c.Lease, c.Cost)
+		}
+		_, d := c.Limit.Take(st, at, 0)
+		return st, d
+	})
+	return nil
+}
+
+// settle applies step to each check in turn, each seeing what the ones before it stored, and
+// stores what it returns when it allows (a post-response charge always does but on a leaky
+// bucket; a release and a renewal always do).
+func (s *Memory) settle(checks []Check, out []algorithm.Decision, step func(*Check, algorithm.State, time.Time) (algorithm.State, algorithm.Decision)) {
+	d := decisions.Get().(*memoryDecision)
+	defer d.release()
+	d.init(s, checks, out)
+	d.lock()
+	defer d.unlock()
+	for i := range checks {
+		c := &checks[i]
+		sh := &s.shards[d.idx[i]]
+		k := memoryKey{c.Tag, c.Rule}
+		e := sh.m[k]
+		var st algorithm.State
+		if e != nil {
+			st = e.st
+		}
+		next, dec := step(c, st, d.at)
+		out[i] = dec
+		if dec.Allowed && (e != nil || dec.Reset > 0) { // a fresh key left idle needs no entry
+			s.put(sh, k, e, next, d.now+float64(dec.Reset.Microseconds()), d.now)
+		}
+	}
+}
+
 // memoryRecord is one idempotency record a decision names: where it lives, and what it holds
 // (nil for none).
 type memoryRecord struct {
@@ -397,12 +458,12 @@ func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 	if e != nil {
 		st = e.st
 	}
-	st, d := c.Limit.Take(st, at, c.Cost)
+	st, d := c.take(st, at)
 	out[0] = d
 	if c.Enforce && !d.Allowed {
 		return false, nil
 	}
-	if d.Allowed && c.Cost > 0 {
+	if d.Allowed && c.Cost > 0 && !c.Deferred {
 		s.put(sh, k, e, st, now+float64(d.Reset.Microseconds()), now)
 	}
 	return true, nil
@@ -436,8 +497,8 @@ func (sh *shard) state(c *Check) algorithm.State {
 
 // store keeps the state a charged check produced. The caller holds the shard's lock.
 func (s *Memory) store(sh *shard, c *Check, st algorithm.State, d algorithm.Decision, now float64) {
-	if !d.Allowed || c.Cost == 0 {
-		return // a check, or a shadow rule that would refuse: nothing to charge
+	if !d.Allowed || c.Cost == 0 || c.Deferred {
+		return // a check, a shadow rule that would refuse, a rule charged by the response: nothing to charge
 	}
 	k := memoryKey{c.Tag, c.Rule}
 	s.put(sh, k, sh.m[k], st, now+float64(d.Reset.Microseconds()), now)

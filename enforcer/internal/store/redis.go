@@ -52,6 +52,9 @@ type RedisOptions struct {
 	// Pipelines is how many pipelines of concurrent decisions may be in flight at once, on
 	// Standalone and Sentinel (see batcher). Default 4; negative sends every decision on its own.
 	Pipelines int
+	// Now, for tests only, replaces Redis TIME as the scripts' time, so that a test can move
+	// time on instead of sleeping. Nil in production: every replica must read Redis's clock.
+	Now func() time.Time
 }
 
 // Redis is the store for many enforcer replicas. Each decision is one Lua script per hash tag:
@@ -127,6 +130,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		cluster: opts.Mode == v1alpha1.RedisCluster,
 		timeout: opts.Timeout,
 		idBase:  hex.EncodeToString(b[:]) + ".",
+		clock:   opts.Now,
 	}
 	if opts.Pipelines == 0 {
 		opts.Pipelines = 4
@@ -159,28 +163,81 @@ func (s *Redis) Close() error {
 func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	id := s.idBase + strconv.FormatUint(s.seq.Add(1), 36)
+	id := s.requestID(checks)
 
 	if !s.cluster {
 		// One server holds every key: one script decides them all.
-		ok, _, err := s.run(ctx, checks, indexes(len(checks)), id, out, nil)
+		ok, _, err := s.run(ctx, modeDecide, checks, indexes(len(checks)), id, out, nil)
 		return ok, err
 	}
 	ok, err := s.decideCluster(ctx, checks, id, out)
-	if err != nil && !errors.Is(err, ErrFault) && !errors.Is(err, context.Canceled) {
-		// A master that died cannot answer MOVED, and go-redis otherwise reloads the slot map
-		// only once a minute: ask it to reload now, so decisions follow a promoted replica as
-		// soon as the cluster has one. Reloads run in the background, one at a time.
+	s.followFailover(ctx, err)
+	return ok, err
+}
+
+// The decide script's modes.
+const (
+	modeDecide = "d"
+	modeFinish = "f"
+	modeRenew  = "r"
+)
+
+// requestID names a decision's request: the Lease the limiter gave it, or a name of the store's
+// own, unique across enforcers.
+func (s *Redis) requestID(checks []Check) string {
+	for i := range checks {
+		if checks[i].Lease != "" {
+			return checks[i].Lease
+		}
+	}
+	return s.idBase + strconv.FormatUint(s.seq.Add(1), 36)
+}
+
+// followFailover asks a Cluster client to reload its slot map after a failed call. A master that
+// died cannot answer MOVED, and go-redis otherwise reloads the slot map only once a minute: ask
+// it to reload now, so calls follow a promoted replica as soon as the cluster has one. Reloads
+// run in the background, one at a time.
+func (s *Redis) followFailover(ctx context.Context, err error) {
+	if s.cluster && err != nil && !errors.Is(err, ErrFault) && !errors.Is(err, context.Canceled) {
 		s.client.(*redis.ClusterClient).ReloadState(context.WithoutCancel(ctx))
 	}
-	return ok, err
+}
+
+// Finish implements Store: one script per hash tag, in the decide script's finish mode.
+func (s *Redis) Finish(ctx context.Context, checks []Check, out []algorithm.Decision) error {
+	return s.settle(ctx, modeFinish, checks, out)
+}
+
+// Renew implements Store: one script per hash tag, in the decide script's renew mode.
+func (s *Redis) Renew(ctx context.Context, checks []Check, out []algorithm.Decision) error {
+	return s.settle(ctx, modeRenew, checks, out)
+}
+
+// settle runs the decide script in a mode that never refuses, once per hash tag.
+func (s *Redis) settle(ctx context.Context, mode string, checks []Check, out []algorithm.Decision) error {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	id := s.requestID(checks)
+	groups := [][]int{indexes(len(checks))}
+	if s.cluster {
+		groups = s.groups(checks)
+	}
+	var errs []error
+	for _, g := range groups {
+		if _, _, err := s.run(ctx, mode, checks, g, id, out, nil); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	err := errors.Join(errs...)
+	s.followFailover(ctx, err)
+	return err
 }
 
 // decideCluster decides on a Cluster: one script per hash tag of the decision.
 func (s *Redis) decideCluster(ctx context.Context, checks []Check, id string, out []algorithm.Decision) (bool, error) {
 	groups := s.groups(checks)
 	if len(groups) == 1 {
-		ok, _, err := s.run(ctx, checks, groups[0], id, out, nil)
+		ok, _, err := s.run(ctx, modeDecide, checks, groups[0], id, out, nil)
 		return ok, err
 	}
 	// Cluster, several tags: each group is decided by its own script; any refusal refunds the
@@ -189,7 +246,7 @@ func (s *Redis) decideCluster(ctx context.Context, checks []Check, id string, ou
 	chargedAt := make([]int64, len(groups))
 	free := make([]bool, len(checks))
 	for gi, g := range groups {
-		ok, at, err := s.run(ctx, checks, g, id, out, free)
+		ok, at, err := s.run(ctx, modeDecide, checks, g, id, out, free)
 		if err != nil {
 			s.refund(ctx, checks, groups[:gi], chargedAt[:gi], id, out, free)
 			return false, err
@@ -247,10 +304,10 @@ func (s *Redis) groups(checks []Check) [][]int {
 // run decides one group with one script call. It returns whether the group charged and the
 // time it decided at, in microseconds; free, when not nil, receives which checks passed as free
 // repeats, uncharged.
-func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string, out []algorithm.Decision, free []bool) (bool, int64, error) {
+func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []int, id string, out []algorithm.Decision, free []bool) (bool, int64, error) {
 	keys := make([]string, len(group), len(group)+1)
-	args := make([]any, 3, 3+8*len(group))
-	args[0], args[1], args[2] = "", id, ""
+	args := make([]any, 4, 4+9*len(group))
+	args[0], args[1], args[2], args[3] = "", id, "", mode
 	if s.clock != nil {
 		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
 	}
@@ -280,8 +337,12 @@ func (s *Redis) run(ctx context.Context, checks []Check, group []int, id string,
 				specs += strconv.FormatInt(c.Idempotency.Window.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Idempotency.MaxRepeats, 10)
 			}
 		}
+		deferred := "0"
+		if c.Deferred {
+			deferred = "1"
+		}
 		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
-			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record)
+			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record, deferred)
 	}
 	keys = append(keys, records...)
 	args[2] = specs
@@ -371,8 +432,8 @@ func (s *Redis) refund(ctx context.Context, checks []Check, groups [][]int, char
 		// only its last charged check is given back: the checks are walked from the end.
 		for _, ci := range slices.Backward(g) {
 			c := &checks[ci]
-			if c.Cost == 0 || !out[ci].Allowed || free[ci] || slices.Contains(keys, c.Key()) {
-				continue // not charged: a check, a refusing shadow rule, a free repeat, a rule named again
+			if c.Cost == 0 || !out[ci].Allowed || free[ci] || c.Deferred || slices.Contains(keys, c.Key()) {
+				continue // not charged: a check, a refusing shadow rule, a free repeat, a rule charged by the response, a rule named again
 			}
 			keys = append(keys, c.Key())
 			args = append(args, int(c.Limit.Kind), c.Limit.Rate, c.Limit.Period.Microseconds(), c.Cost)

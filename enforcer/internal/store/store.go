@@ -33,6 +33,15 @@ type Check struct {
 	// record (the same Tag and Idempotency.Key) share it; checks without one are decided and
 	// charged as usual, whatever the records of the others say.
 	Idempotency *Idempotency
+	// Lease names the request, unique across enforcers (the limiter gives each request one):
+	// under a concurrency limit, the lease it is admitted with, which Finish releases and Renew
+	// extends, found by this name and the check's Cost; on Redis, the name of the member a
+	// sliding log keeps for the request too. Empty, the Redis store makes a name of its own.
+	Lease string
+	// Deferred is true for a rule charged by the response (charge.when Response): Decide checks
+	// it at Cost, and refuses the request if it could not admit that now, but charges nothing;
+	// Finish charges it once the response has ended.
+	Deferred bool
 }
 
 // Idempotency identifies a request by the key its client sent, for the decision to recognize
@@ -55,6 +64,16 @@ type Store interface {
 	// least len(checks)). It reports whether the request was charged, which is whether every
 	// enforced check allowed it.
 	Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (charged bool, err error)
+	// Finish ends a request that Decide charged, once its response has ended: it releases the
+	// leases of its concurrency checks and charges every other check at its Cost (the
+	// response's), each in turn, never refusing: a cost over what a rule has left takes the rule
+	// to exhaustion (algorithm.Limit.Charge). out[i] receives what checks[i] sees after. Like
+	// Decide, it is one script per hash tag.
+	Finish(ctx context.Context, checks []Check, out []algorithm.Decision) error
+	// Renew extends the leases of the concurrency checks to their lease timeout (Limit.Period)
+	// from now; a lease that expired is not brought back. Other checks are only read. out[i]
+	// receives what checks[i] sees after.
+	Renew(ctx context.Context, checks []Check, out []algorithm.Decision) error
 	// Ping checks that the store answers within ctx's deadline.
 	Ping(ctx context.Context) error
 	// Close releases the store's resources.

@@ -1,13 +1,9 @@
 package store_test
 
 import (
-	"flag"
-
-	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -20,10 +16,14 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/redis/go-redis/v9"
+	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 var (
@@ -111,14 +111,17 @@ func targets() []target {
 func targetsAll() []target {
 	return []target{
 		{name: "memory", make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
 			s := store.NewMemory(store.MemoryOptions{Now: clock, SweepInterval: -1})
 			t.Cleanup(func() { _ = s.Close() })
 			return s
 		}},
 		{name: "standalone", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
 			return newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock)
 		}},
 		{name: "cluster", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
 			return newRedis(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: cluster.Addrs()}, clock)
 		}},
 	}
@@ -131,6 +134,7 @@ func allKinds(limit int64, period time.Duration) []algorithm.Limit {
 		{Kind: algorithm.FixedWindow, Limit: limit, Period: period},
 		{Kind: algorithm.SlidingLog, Limit: limit, Period: period},
 		{Kind: algorithm.SlidingWindowCounter, Limit: limit, Period: period},
+		{Kind: algorithm.Concurrency, Limit: limit, Period: period},
 	}
 }
 
@@ -138,19 +142,8 @@ var runID = time.Now().UnixNano()
 
 // uniqueTag keeps the keys of every test and run apart.
 func uniqueTag(t *testing.T, parts ...any) string {
+	t.Helper()
 	return store.Tag(fmt.Sprintf("test/%s/%d", t.Name(), runID), fmt.Sprint(parts...))
-}
-
-type fakeClock struct {
-	mu  sync.Mutex
-	now time.Time
-}
-
-func (c *fakeClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.now }
-func (c *fakeClock) Add(d time.Duration) {
-	c.mu.Lock()
-	c.now = c.now.Add(d)
-	c.mu.Unlock()
 }
 
 type outcome struct {
@@ -159,11 +152,11 @@ type outcome struct {
 }
 
 // play drives a store through a script of requests on a fake clock and records every outcome.
-func play(t *testing.T, s store.Store, clock *fakeClock, checks []store.Check, steps []playStep) []outcome {
+func play(t *testing.T, s store.Store, clock *clocktesting.FakeClock, checks []store.Check, steps []playStep) []outcome {
 	t.Helper()
 	var outs []outcome
 	for i, st := range steps {
-		clock.Add(st.advance)
+		clock.Step(st.advance)
 		cs := append([]store.Check(nil), checks...)
 		for j := range cs {
 			cs[j].Cost = st.costs[j]
@@ -214,7 +207,7 @@ func TestStoresWhenDrivenByTheSameScriptThenDecideIdentically(t *testing.T) {
 			steps := randomSteps(rand.New(rand.NewPCG(7, uint64(len(name)))), 400, len(checks))
 			var want []outcome
 			for _, tg := range targets() {
-				clock := &fakeClock{now: start}
+				clock := clocktesting.NewFakeClock(start)
 				cs := append([]store.Check(nil), checks...)
 				for i := range cs {
 					cs[i].Tag = uniqueTag(t, tg.name)
@@ -257,7 +250,7 @@ func TestStoresWhenCountsAreLargeThenTheWideEncodingsDecideIdentically(t *testin
 		t.Run(l.Kind.String(), func(t *testing.T) {
 			var want []outcome
 			for _, tg := range targets() {
-				clock := &fakeClock{now: start}
+				clock := clocktesting.NewFakeClock(start)
 				cs := []store.Check{{Limit: l, Enforce: true, Rule: "r", Tag: uniqueTag(t, tg.name)}}
 				got := play(t, tg.make(t, clock.Now), clock, cs, steps)
 				if want == nil {
@@ -347,7 +340,7 @@ func race(t *testing.T, stores []store.Store, l algorithm.Limit, tag string, req
 func TestStoresWhenBurstRefusesThenSustainedIsNotChargedAndAMinuteAdmitsExactly15(t *testing.T) {
 	for _, tg := range targets() {
 		t.Run(tg.name, func(t *testing.T) {
-			clock := &fakeClock{now: time.Unix(1_700_000_040, 0)} // a minute boundary
+			clock := clocktesting.NewFakeClock(time.Unix(1_700_000_040, 0)) // a minute boundary
 			s := tg.make(t, clock.Now)
 			tag := uniqueTag(t)
 			checks := []store.Check{
@@ -370,7 +363,7 @@ func TestStoresWhenBurstRefusesThenSustainedIsNotChargedAndAMinuteAdmitsExactly1
 			}
 			// 20 requests a second for the rest of the minute.
 			for range 59 * 20 {
-				clock.Add(50 * time.Millisecond)
+				clock.Step(50 * time.Millisecond)
 				ok, err := s.Decide(context.Background(), checks, out)
 				if err != nil {
 					t.Fatal(err)
@@ -436,13 +429,21 @@ func TestRedisWhenDecisionTimesOutThenItIsNotReplayed(t *testing.T) {
 	if _, err := s.Decide(ctx, checks, out); err != nil { // loads the script
 		t.Fatal(err)
 	}
+	admin := srv.Client(t)
+	ran := redistest.ScriptCalls(t, admin)
 	srv.Pause()
 	_, err := s.Decide(ctx, checks, out)
 	srv.Resume()
 	if err == nil {
 		t.Fatal("decision against a frozen Redis succeeded")
 	}
-	time.Sleep(300 * time.Millisecond) // the frozen script runs now
+	// The frozen script runs now: wait until Redis counts it.
+	poll.WaitFor(t, 10*time.Second, func() error {
+		if n := redistest.ScriptCalls(t, admin); n <= ran {
+			return fmt.Errorf("%d scripts run since the pause", n-ran)
+		}
+		return nil
+	})
 	checks[0].Cost = 0
 	if _, err := s.Decide(ctx, checks, out); err != nil {
 		t.Fatal(err)

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	clocktesting "k8s.io/utils/clock/testing"
+
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
 )
@@ -21,7 +23,7 @@ func TestSlidingWindowCounterWhenAClientKeepsSendingThenEveryWindowAdmitsTheLimi
 			for _, pace := range []int64{2, 4} { // requests per window, as multiples of the limit
 				t.Run(fmt.Sprintf("%s when the limit is %d and the client sends %dx", target.name, limit, pace), func(t *testing.T) {
 					start := time.Unix(1_700_000_040, 0) // a minute boundary
-					clock := &fakeClock{now: start}
+					clock := clocktesting.NewFakeClock(start)
 					s := target.make(t, clock.Now)
 					l := algorithm.Limit{Kind: algorithm.SlidingWindowCounter, Limit: limit, Period: time.Minute}
 					checks := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: uniqueTag(t, limit, pace), Rule: "r"}}
@@ -36,7 +38,7 @@ func TestSlidingWindowCounterWhenAClientKeepsSendingThenEveryWindowAdmitsTheLimi
 						if ok {
 							perWindow[i/int(pace*limit)]++
 						}
-						clock.Add(step)
+						clock.Step(step)
 					}
 					for w, n := range perWindow {
 						if n != limit {

@@ -26,6 +26,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -85,6 +86,20 @@ func StartWithEnv(name string, log io.Writer, env []string, bin string, args ...
 	return p, nil
 }
 
+// Nginx runs the nginx on PATH in the foreground, with dir as its prefix (where its logs go) and
+// the configuration conf, written to dir/nginx.conf. Like every process Start starts, it dies
+// with the test process: its master gets SIGTERM and takes its workers down with it.
+func Nginx(log io.Writer, dir, conf string) (*Process, error) {
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		return nil, fmt.Errorf("the tests need nginx (hack/ensure-nginx.sh): %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(conf), 0o600); err != nil {
+		return nil, err
+	}
+	return Start("nginx", log, bin, "-p", dir, "-c", "nginx.conf", "-g", "daemon off;")
+}
+
 // Exited reports whether the process has ended.
 func (p *Process) Exited() bool {
 	select {
@@ -140,7 +155,6 @@ func (p *Process) Usage() (cpu time.Duration, peakRSS float64) {
 	return cpu, peakRSS
 }
 
-// Signal sends sig to the process.
 // RSS is the process's resident memory now, in bytes, from /proc (Linux).
 func (p *Process) RSS() float64 {
 	status, err := os.ReadFile("/proc/" + strconv.Itoa(p.cmd.Process.Pid) + "/status")
@@ -156,6 +170,7 @@ func (p *Process) RSS() float64 {
 	return 0
 }
 
+// Signal sends sig to the process.
 func (p *Process) Signal(sig os.Signal) error { return p.cmd.Process.Signal(sig) }
 
 // Wait waits for the process to end and returns how it ended: nil for exit status 0.
@@ -190,8 +205,8 @@ func FreeAddr() (string, error) {
 
 // WaitHTTP waits until url answers 200, or the process ends, or timeout passes.
 func WaitHTTP(p *Process, url string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
+	var exited error
+	err := poll.Until(timeout, func() error {
 		resp, err := http.Get(url) //nolint:gosec // loopback address we chose
 		if err == nil {
 			_ = resp.Body.Close()
@@ -201,13 +216,18 @@ func WaitHTTP(p *Process, url string, timeout time.Duration) error {
 			err = fmt.Errorf("%s answered %s", url, resp.Status)
 		}
 		if p.Exited() {
-			return fmt.Errorf("%s exited: %w", p.Name, p.err)
+			exited = fmt.Errorf("%s exited: %w", p.Name, p.err)
+			return nil // no use waiting on
 		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not ready after %v: %w", p.Name, timeout, err)
-		}
-		time.Sleep(100 * time.Millisecond)
+		return err
+	})
+	if exited != nil {
+		return exited
 	}
+	if err != nil {
+		return fmt.Errorf("%s not ready: %w", p.Name, err)
+	}
+	return nil
 }
 
 // StartManager runs the manager binary against env with the webhook where env's webhook

@@ -3,8 +3,6 @@
 package redistest
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"crypto/tls"
 	"errors"
@@ -21,6 +19,9 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // Server is one redis-server process.
@@ -41,6 +42,7 @@ func (s *Server) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.It
 
 // NewServer starts a standalone Redis that is stopped when the test ends.
 func NewServer(t testing.TB) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := StartServer()
@@ -55,6 +57,7 @@ func NewServer(t testing.TB) *Server {
 // reads a config file named before its flags, then args; it is stopped when the test ends. A
 // server that asks for a password counts as started once it answers NOAUTH.
 func NewServerWithConfig(t testing.TB, configFile string, args ...string) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
@@ -121,24 +124,30 @@ func (s *Server) Start() error {
 
 	c := redis.NewClient(&redis.Options{Addr: s.Addr(), TLSConfig: s.TLS, MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
 	defer func() { _ = c.Close() }()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
+	var exited error
+	err := poll.Until(10*time.Second, func() error {
 		select {
 		case <-s.done:
 			log, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
-			return fmt.Errorf("redis-server on port %d exited: %s", s.Port, lastLines(string(log), 5))
+			exited = fmt.Errorf("redis-server on port %d exited: %s", s.Port, lastLines(string(log), 5))
+			return nil // no use waiting on
 		default:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		err := c.Ping(ctx).Err()
-		cancel()
-		if err == nil || strings.HasPrefix(err.Error(), "NOAUTH") {
-			return nil
+		defer cancel()
+		if err := c.Ping(ctx).Err(); err != nil && !strings.HasPrefix(err.Error(), "NOAUTH") {
+			return err
 		}
-		time.Sleep(20 * time.Millisecond)
+		return nil
+	})
+	if exited != nil {
+		return exited
 	}
-	s.Kill()
-	return fmt.Errorf("redis-server on port %d did not answer PING within 10s", s.Port)
+	if err != nil {
+		s.Kill()
+		return fmt.Errorf("redis-server on port %d did not answer PING: %w", s.Port, err)
+	}
+	return nil
 }
 
 // Kill ends the process at once, as a crash would, and waits for it to exit.
@@ -166,6 +175,7 @@ func (s *Server) Stop() {
 
 // Client returns a client of this server, closed when the test ends.
 func (s *Server) Client(t testing.TB) *redis.Client {
+	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: s.Addr(), TLSConfig: s.TLS})
 	t.Cleanup(func() { _ = c.Close() })
 	return c
@@ -187,6 +197,7 @@ func (c *Cluster) Addrs() []string {
 
 // NewCluster starts a cluster of n masters that is stopped when the test ends.
 func NewCluster(t testing.TB, n int) *Cluster {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	c, err := StartCluster(n)
@@ -201,6 +212,7 @@ func NewCluster(t testing.TB, n int) *Cluster {
 // over to its replica about two seconds after the master stops answering. It is stopped when the
 // test ends.
 func NewClusterWithReplicas(t testing.TB, n int) *Cluster {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	c, err := startCluster(n, 1, time.Second)
@@ -269,18 +281,17 @@ func (c *Cluster) waitEach(timeout time.Duration, what string, read func(*redis.
 	deadline := time.Now().Add(timeout)
 	for _, n := range c.Nodes {
 		rc := redis.NewClient(&redis.Options{Addr: n.Addr()})
-		for {
+		err := poll.Until(time.Until(deadline), func() error {
 			info, err := read(rc)
-			if err == nil && done(info) {
-				break
+			if err == nil && !done(info) {
+				err = fmt.Errorf("%s", info)
 			}
-			if time.Now().After(deadline) {
-				_ = rc.Close()
-				return fmt.Errorf("cluster node %s: no %s after %v (%s): %w", n.Addr(), what, timeout, info, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return err
+		})
 		_ = rc.Close()
+		if err != nil {
+			return fmt.Errorf("cluster node %s: no %s: %w", n.Addr(), what, err)
+		}
 	}
 	return nil
 }
@@ -294,6 +305,7 @@ func (c *Cluster) Stop() {
 
 // Client returns a cluster client, closed when the test ends.
 func (c *Cluster) Client(t testing.TB) *redis.ClusterClient {
+	t.Helper()
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
 	t.Cleanup(func() { _ = cc.Close() })
 	return cc

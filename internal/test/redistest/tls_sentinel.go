@@ -1,8 +1,6 @@
 package redistest
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -20,11 +18,15 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // NewTLSServer starts a standalone Redis that accepts only TLS, with a self-signed certificate
 // for 127.0.0.1 and the name "redis.test"; it is stopped when the test ends.
 func NewTLSServer(t testing.TB) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {
@@ -87,6 +89,7 @@ const SentinelMaster = "sluice-master"
 // NewReplica starts a replica of master and waits until it has synchronised; it is stopped when
 // the test ends.
 func NewReplica(t testing.TB, master *Server) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, standalone([]string{"--replicaof", "127.0.0.1", strconv.Itoa(master.Port)}))
@@ -95,21 +98,21 @@ func NewReplica(t testing.TB, master *Server) *Server {
 	}
 	t.Cleanup(s.Stop)
 	c := s.Client(t)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	poll.WaitFor(t, 10*time.Second, func() error {
 		info, err := c.Info(context.Background(), "replication").Result()
-		if err == nil && strings.Contains(info, "master_link_status:up") {
-			return s
+		if err == nil && !strings.Contains(info, "master_link_status:up") {
+			err = fmt.Errorf("replica of %s not in sync: %s", master.Addr(), info)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica of %s not in sync after 10s: %v %s", master.Addr(), err, info)
-		}
-	}
+		return err
+	})
+	return s
 }
 
 // NewSentinel starts a Redis Sentinel that watches master as SentinelMaster, with a quorum of
 // one, and waits until it knows the master's address; it is stopped when the test ends. It holds
 // a master that does not answer for a second to be down, and then fails over to a replica.
 func NewSentinel(t testing.TB, master *Server) *Server {
+	t.Helper()
 	tier.Needs(t, "redis-server")
 	t.Helper()
 	s, err := start(false, func(s *Server) ([]string, error) {

@@ -1,8 +1,6 @@
 package testenv
 
 import (
-	"github.com/sluice-dev/sluice/internal/test/tier"
-
 	"bufio"
 	"context"
 	"errors"
@@ -19,6 +17,8 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/sluice-dev/sluice/internal/test/tier"
 )
 
 // ReadObjects decodes every YAML document of a file.

@@ -3,6 +3,7 @@
 package testenv
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -10,10 +11,11 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/client-go/kubernetes/scheme"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
@@ -30,6 +32,8 @@ type Env struct {
 	env         *envtest.Environment
 	controllers *exec.Cmd
 	dir         string
+	// wrappers holds the scripts that start kube-apiserver and etcd (dieWithTest).
+	wrappers string
 }
 
 // Option changes what Start starts.
@@ -95,6 +99,10 @@ func Start(opts ...Option) (*Env, error) {
 		opt(&o)
 	}
 	env := &envtest.Environment{BinaryAssetsDirectory: assets}
+	wrappers, err := dieWithTest(env, assets)
+	if err != nil {
+		return nil, err
+	}
 	if !o.noCRDs {
 		env.CRDDirectoryPaths, env.ErrorIfCRDPathMissing = []string{filepath.Join(RepoRoot(), "config", "crd", "bases")}, true
 	}
@@ -112,24 +120,56 @@ func Start(opts ...Option) (*Env, error) {
 	}
 	cfg, err := env.Start()
 	if err != nil {
+		_ = os.RemoveAll(wrappers)
 		return nil, fmt.Errorf("start the test control plane from %s: %w", assets, err)
 	}
-	e := &Env{Config: cfg, Webhook: env.WebhookInstallOptions, env: env}
+	e := &Env{Config: cfg, Webhook: env.WebhookInstallOptions, env: env, wrappers: wrappers}
 	if o.controllers {
 		if err := e.startControllers(append(slices.Clone(controllers), o.extraControllers...)); err != nil {
 			_ = env.Stop()
 			return nil, err
 		}
 	}
-	if err := v1alpha1.AddToScheme(scheme.Scheme); err != nil {
+	if err := v1alpha1.AddToScheme(clientgoscheme.Scheme); err != nil {
 		return nil, fmt.Errorf("register the API: %w", err)
 	}
-	e.Client, err = client.New(cfg, client.Options{Scheme: scheme.Scheme})
+	e.Client, err = client.New(cfg, client.Options{Scheme: clientgoscheme.Scheme})
 	if err != nil {
 		_ = e.Stop()
 		return nil, fmt.Errorf("create a client: %w", err)
 	}
 	return e, nil
+}
+
+// dieWithTest makes kube-apiserver and etcd die with the test process, even one killed with
+// SIGKILL, which can clean nothing up: envtest starts each in a process group of its own, which
+// no signal for the test reaches, and sets no parent-death signal. So each is started through a
+// script that execs it under setpriv (util-linux) with one: the kernel kills it when its parent,
+// the test process, dies. It returns the scripts' directory, for Stop to remove.
+func dieWithTest(env *envtest.Environment, assets string) (string, error) {
+	if _, err := exec.LookPath("setpriv"); err != nil {
+		return "", fmt.Errorf("the test control plane needs setpriv (util-linux) to die with the tests: %w", err)
+	}
+	dir, err := os.MkdirTemp("", "sluice-envtest-")
+	if err != nil {
+		return "", err
+	}
+	wrap := func(name string) (string, error) {
+		script := filepath.Join(dir, name)
+		body := fmt.Sprintf("#!/bin/sh\nexec setpriv --pdeathsig KILL -- '%s' \"$@\"\n", filepath.Join(assets, name))
+		return script, os.WriteFile(script, []byte(body), 0o755) //nolint:gosec // a script to run
+	}
+	if env.ControlPlane.Etcd == nil {
+		env.ControlPlane.Etcd = &envtest.Etcd{}
+	}
+	var errAPI, errEtcd error
+	env.ControlPlane.GetAPIServer().Path, errAPI = wrap("kube-apiserver")
+	env.ControlPlane.Etcd.Path, errEtcd = wrap("etcd")
+	if err := errors.Join(errAPI, errEtcd); err != nil {
+		_ = os.RemoveAll(dir)
+		return "", err
+	}
+	return dir, nil
 }
 
 // startControllers starts kube-controller-manager as a cluster administrator. Its output goes to
@@ -163,6 +203,8 @@ func (e *Env) startControllers(controllers []string) error {
 		"-v=1",
 	)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// Killed with the test process, however it ends.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start kube-controller-manager from %s (run hack/envtest.sh): %w", e.env.BinaryAssetsDirectory, err)
 	}
@@ -194,7 +236,9 @@ func (e *Env) Stop() error {
 	if e.dir != "" {
 		_ = os.RemoveAll(e.dir)
 	}
-	return e.env.Stop()
+	err := e.env.Stop()
+	_ = os.RemoveAll(e.wrappers)
+	return err
 }
 
 // controllersStopTimeout is how long Stop waits for kube-controller-manager after SIGINT.

@@ -1,14 +1,18 @@
 -- decide.lua decides one request against every rule whose key shares this call's hash tag. It
 -- checks all rules first and charges them only if every enforced rule allows: a refused request
 -- consumes nothing. The arithmetic mirrors enforcer/algorithm operation for operation, so both
--- stores reach identical decisions.
+-- stores reach identical decisions. The same script, in another mode, ends a request once its
+-- response has ended (finish) or renews its leases (renew); see the end of the file.
 --
 -- KEYS[i]   the key of rule i, i = 1..n; then KEYS[n+j], j = 1..m: idempotency record j
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
--- ARGV[2]   a request id, unique per request: a sliding log's member for it is id:cost
+-- ARGV[2]   the request's id, unique per request: a sliding log's member for it, and a
+--           concurrency limit's lease, is id:cost
 -- ARGV[3]   "" or, per record j, "<window_ms>:<free repeats>", separated by spaces
--- ARGV[4+8(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0),
---           record (0 for none, else the j of the record of the rule's policy and client)
+-- ARGV[4]   the mode: d (decide), f (finish) or r (renew)
+-- ARGV[5+9(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0),
+--           record (0 for none, else the j of the record of the rule's policy and client),
+--           deferred (1 for a rule charged by the response: checked at cost, never charged here)
 --
 -- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us};
 -- committed is 1 when the request was charged, 2 when it passed as a free repeat of an admitted
@@ -41,9 +45,15 @@
 --                               its admission time, and the member '#' whose score is the units
 --                               held less 2^53 (LOG_BASE): below any admission time, exact, and
 --                               read in O(1). A request of any cost adds one member.
+--   concurrency:                sorted set of one member id:units per request in flight, its
+--                               lease, scored by the lease's expiry, and the member '#' as for
+--                               the sliding log: the slots held. Expired leases (score <= now)
+--                               are dropped, and their slots given back, by every call that
+--                               reads the key; the key's TTL is the last lease's expiry.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local W = 8 -- ARGV per rule
+local W = 9 -- ARGV per rule
+local B = 5 -- the first rule's first ARGV
 
 local now
 if ARGV[1] ~= '' then
@@ -82,6 +92,23 @@ local LOG_BASE, LOG_MIN = 9007199254740992, '-4503599627370496'
 local NEVER = -1
 local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
 
+-- trimmed is the units a log key holds (a sliding log's entries, a concurrency rule's leases)
+-- once the entries scored at or before horizon have left it: its '#' member keeps the total, so
+-- the key is read by the entries that leave, not all it holds.
+local function trimmed(key, horizon)
+  local total = redis.call('ZSCORE', key, '#')
+  local n = 0
+  if total then n = tonumber(total) + LOG_BASE end
+  local h = fmt(horizon)
+  local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, h)
+  if #expired > 0 then
+    for _, m in ipairs(expired) do n = n - units(m) end
+    redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, h)
+    redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
+  end
+  return n
+end
+
 -- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
 -- current count and previous count.
 local function swcRead(v)
@@ -108,7 +135,7 @@ local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 -- remaining, reset_us, retry_us, wait_us and the value to write if the request is charged. It
 -- changes nothing, except that a sliding log drops entries that left its window.
 local function decide(i, cost)
-  local b = 4 + (i - 1) * W
+  local b = B + (i - 1) * W
   local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   local key = KEYS[i]
@@ -165,7 +192,7 @@ local function decide(i, cost)
     else
       retry = us(ending)
     end
-    remaining = limit - n
+    remaining = min(limit, max(0, limit - n))
     if n > 0 then reset = us(ending) end
 
   elseif kind == 5 then
@@ -208,16 +235,7 @@ local function decide(i, cost)
     end
 
   elseif kind == 4 then
-    local total = redis.call('ZSCORE', key, '#')
-    local n = 0
-    if total then n = tonumber(total) + LOG_BASE end
-    local horizon = fmt(now - period)
-    local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, horizon)
-    if #expired > 0 then
-      for _, m in ipairs(expired) do n = n - units(m) end
-      redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, horizon)
-      redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
-    end
+    local n = trimmed(key, now - period)
     allowed = cost <= limit - n
     local newest
     if allowed then
@@ -247,6 +265,21 @@ local function decide(i, cost)
     remaining = limit - n
     if newest then reset = us(newest + period - now) end
 
+  elseif kind == 6 then
+    local n = trimmed(key, now)
+    -- A refusal has no retry: a slot frees when a request in flight ends, which no clock says.
+    allowed = cost <= limit - n
+    local latest = 0
+    if allowed and cost > 0 then
+      n = n + cost
+      latest = now + period
+      write = {n}
+    end
+    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    if last[2] then latest = max(latest, tonumber(last[2])) end
+    remaining = limit - n
+    reset = us(latest - now)
+
   else
     error('sluice: unknown algorithm ' .. tostring(ARGV[b]))
   end
@@ -257,7 +290,7 @@ end
 -- evaluate is decide, but a cost the rule can never admit is refused first, as a cost-0 check
 -- sees the rule, with retry_us NEVER.
 local function evaluate(i, cost)
-  local limit = tonumber(ARGV[4 + (i - 1) * W + 1])
+  local limit = tonumber(ARGV[B + (i - 1) * W + 1])
   if cost < 0 or cost > limit then
     local _, remaining, reset = decide(i, 0)
     return false, remaining, reset, NEVER, 0, nil
@@ -275,9 +308,84 @@ for j, r in ipairs(recs) do
   r.key = KEYS[n + j]
   r.seen = tonumber(redis.call('GET', r.key) or nil)
 end
-local function arg(i, f) return ARGV[4 + (i - 1) * W + f] end
+local function arg(i, f) return ARGV[B + (i - 1) * W + f] end
 local function enforced(i) return arg(i, 6) == '1' end
 local function rec(i) return recs[tonumber(arg(i, 7))] end
+local function deferred(i) return arg(i, 8) == '1' end
+
+-- keep stores what rule i charged, r = {evaluate(...)}, for the request named member. A
+-- decision that names one rule twice charges it once, the last cost, as the memory store's last
+-- write wins: logged holds the member each sorted set was given.
+local logged = {}
+local function keep(i, r, member, cost)
+  local kind, key, reset = tonumber(arg(i, 0)), KEYS[i], r[3]
+  if kind == 4 or kind == 6 then
+    if logged[key] then redis.call('ZREM', key, logged[key]) end
+    logged[key] = member .. ':' .. cost
+    local score = now
+    if kind == 6 then score = now + tonumber(arg(i, 3)) end
+    redis.call('ZADD', key, fmt(score), logged[key], fmt(r[6][1] - LOG_BASE), '#')
+    redis.call('PEXPIRE', key, ttl(reset))
+  else
+    redis.call('SET', key, r[6][1], 'PX', ttl(reset))
+  end
+end
+
+local function reply(res)
+  local out = {1, now}
+  for i = 1, n do
+    local r = res[i]
+    out[#out + 1] = r[1] and 1 or 0
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3]
+    out[#out + 1] = r[4]
+    out[#out + 1] = r[5]
+  end
+  return out
+end
+
+local mode = ARGV[4]
+if mode == 'f' then
+  -- Finish: the response has ended. Each rule in turn, never refusing: a concurrency limit's
+  -- lease is released; any other rule is charged the cost its response reported, at most what
+  -- it has left now (algorithm.Limit.Charge), so a larger cost takes it to exhaustion.
+  local res = {}
+  for i = 1, n do
+    local cost = tonumber(arg(i, 5))
+    if tonumber(arg(i, 0)) == 6 then
+      decide(i, 0) -- drops the expired leases
+      if redis.call('ZREM', KEYS[i], id .. ':' .. cost) == 1 then
+        redis.call('ZINCRBY', KEYS[i], fmt(-cost), '#')
+      end
+      res[i] = {evaluate(i, 0)}
+    else
+      local left = {evaluate(i, 0)}
+      local units = min(max(cost, 0), left[2])
+      res[i] = {evaluate(i, units)}
+      -- Each charge a sliding log member of its own: a rule charged twice holds both.
+      if res[i][1] and res[i][6] then keep(i, res[i], id .. '+' .. i, units) end
+      logged = {}
+    end
+  end
+  return reply(res)
+elseif mode == 'r' then
+  -- Renew: a concurrency limit's lease that has not expired runs a lease timeout from now.
+  local res = {}
+  for i = 1, n do
+    if tonumber(arg(i, 0)) == 6 then
+      decide(i, 0) -- drops the expired leases
+      local member = id .. ':' .. tonumber(arg(i, 5))
+      if redis.call('ZSCORE', KEYS[i], member) then
+        redis.call('ZADD', KEYS[i], fmt(now + tonumber(arg(i, 3))), member)
+      end
+      res[i] = {evaluate(i, 0)}
+      if res[i][3] > 0 then redis.call('PEXPIRE', KEYS[i], ttl(res[i][3])) end
+    else
+      res[i] = {evaluate(i, 0)}
+    end
+  end
+  return reply(res)
+end
 
 local res, free = {}, {}
 local commit, all_free = true, true
@@ -294,6 +402,11 @@ for i = 1, n do
     all_free = false
     res[i] = {evaluate(i, tonumber(arg(i, 5)))}
     if enforced(i) and not res[i][1] then commit = false end
+    if deferred(i) and res[i][1] then
+      -- Charged by the response, not here: it reports its state as it stays.
+      res[i] = {evaluate(i, 0)}
+      res[i][1] = true
+    end
   end
 end
 
@@ -353,22 +466,8 @@ for _, r in ipairs(recs) do
   end
 end
 
-local logged = {}
 for i = 1, n do
   local r = res[i]
-  local kind, cost = tonumber(arg(i, 0)), tonumber(arg(i, 5))
-  if r[1] and r[6] and not free[i] then
-    local key, reset = KEYS[i], r[3]
-    if kind == 4 then
-      -- A decision that names one rule twice charges it once, the last cost, as the memory
-      -- store's last write wins.
-      if logged[key] then redis.call('ZREM', key, logged[key]) end
-      logged[key] = id .. ':' .. cost
-      redis.call('ZADD', key, fmt(now), logged[key], fmt(r[6][1] - LOG_BASE), '#')
-      redis.call('PEXPIRE', key, ttl(reset))
-    else
-      redis.call('SET', key, r[6][1], 'PX', ttl(reset))
-    end
-  end
+  if r[1] and r[6] and not free[i] then keep(i, r, id, tonumber(arg(i, 5))) end
 end
 return out

@@ -35,7 +35,7 @@ for i = 1, n do
   local period, cost = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local key = KEYS[i]
   local v
-  if kind ~= 4 then v = redis.call('GET', key) end -- kind 4 is a sorted set
+  if kind ~= 4 and kind ~= 6 then v = redis.call('GET', key) end -- kinds 4 and 6 are sorted sets
   if kind == 1 or kind == 2 then
     if v then
       redis.call('SET', key, struct.pack('<d', struct.unpack('<d', v) - cost * (period / rate)), 'KEEPTTL')
@@ -74,8 +74,9 @@ for i = 1, n do
         redis.call('SET', key, w .. ' ' .. c .. ' ' .. p, 'KEEPTTL')
       end
     end
-  elseif kind == 4 then
-    -- The request's one member, and its units from the total (decide.lua's layout).
+  elseif kind == 4 or kind == 6 then
+    -- The request's one member (a sliding log's entry, a concurrency limit's lease), and its
+    -- units from the total (decide.lua's layout).
     if redis.call('ZREM', key, id .. ':' .. cost) == 1 then
       redis.call('ZINCRBY', key, fmt(-cost), '#')
     end
