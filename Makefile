@@ -38,8 +38,10 @@ manifests: ## Generate the CRD, RBAC and webhook manifests from markers.
 		output:webhook:artifacts:config=config/webhook
 	@# The Helm chart installs config/'s generated objects, its alerts and dashboard, from copies.
 	cp config/crd/bases/ratelimit.sluice.dev_ratelimitpolicies.yaml charts/sluice/files/crd.yaml
+	cp config/crd/bases/ratelimit.sluice.dev_enforcerpools.yaml charts/sluice/files/crd-enforcerpools.yaml
 	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml charts/sluice/files/
 	cp config/rbac/ratelimitpolicy_editor_role.yaml config/rbac/ratelimitpolicy_viewer_role.yaml charts/sluice/files/
+	cp config/rbac/enforcerpool_editor_role.yaml config/rbac/enforcerpool_viewer_role.yaml charts/sluice/files/
 	cp config/webhook/manifests.yaml charts/sluice/files/webhook.yaml
 	cp config/prometheus/prometheusrule.yaml config/grafana/sluice.json charts/sluice/files/
 

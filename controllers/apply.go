@@ -27,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/managedfields"
 	"k8s.io/client-go/applyconfigurations"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -46,23 +47,50 @@ import (
 // even compared again: a report-only reconcile costs no apply. A hand edit is put back with an
 // event that says what.
 func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
-	// A difference is drift, put back with an event, only when the spec is the one already
-	// programmed: after a change of the spec, new and changed objects are simply the change.
-	programmed := meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) &&
-		p.Status.ObservedGeneration == p.Generation
-	for _, wave := range waves(objs) {
-		errs := make([]error, len(wave))
-		var wg sync.WaitGroup
-		for i, obj := range wave {
-			wg.Go(func() { errs[i] = r.applyOne(ctx, p, obj, programmed) })
-		}
-		wg.Wait()
-		if err := errors.Join(errs...); err != nil {
+	w := waves(objs)
+	if err := r.applier(p).apply(ctx, w[:]...); err != nil {
+		return err
+	}
+	for _, obj := range unwanted(objs) {
+		if err := deleteOwned(ctx, r.Client, p.UID, obj); err != nil {
 			return err
 		}
 	}
-	for _, obj := range unwanted(objs) {
-		if err := r.deleteOwned(ctx, p, obj); err != nil {
+	return nil
+}
+
+// applier applies what one owner renders, a policy or a pool, and remembers under the owner's
+// key what it last applied. Each object's controller, as rendered, is the one it must have: a
+// pooled policy's ConfigMap is the pool's.
+type applier struct {
+	client   client.Client
+	recorder events.EventRecorder
+	cache    *appliedCache
+	// key names the owner in cache; events about its objects are recorded on on.
+	key types.NamespacedName
+	on  runtime.Object
+	// programmed is that the owner's spec is the one already programmed: a difference is then
+	// drift, put back with an event; after a change of the spec, new and changed objects are
+	// simply the change.
+	programmed bool
+}
+
+// applier is the policy's.
+func (r *RateLimitPolicyReconciler) applier(p *v1alpha1.RateLimitPolicy) *applier {
+	return &applier{client: r.Client, recorder: r.Recorder, cache: &r.mem.applied, key: client.ObjectKeyFromObject(p), on: p,
+		programmed: meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) && p.Status.ObservedGeneration == p.Generation}
+}
+
+// apply applies the objects of each wave at once, and wave after wave.
+func (a *applier) apply(ctx context.Context, waves ...[]client.Object) error {
+	for _, wave := range waves {
+		errs := make([]error, len(wave))
+		var wg sync.WaitGroup
+		for i, obj := range wave {
+			wg.Go(func() { errs[i] = a.applyOne(ctx, obj) })
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
 			return err
 		}
 	}
@@ -126,6 +154,10 @@ type programmed struct {
 	// target is the resourceVersion of the target Service that the bypass protection was
 	// rendered from, "" without bypass protection.
 	target string
+	// pool is, for a pooled policy, the pool's UID and generation it was programmed with
+	// (poolVersion), and poolKey the pool; "" for a policy's own enforcer.
+	pool    string
+	poolKey types.NamespacedName
 }
 
 // remember records what applying objs for p established.
@@ -137,7 +169,7 @@ func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *
 		target: bypassTarget(p, target),
 	}
 	for _, o := range objs.All() {
-		prog.objects = append(prog.objects, objectKey{kind: o.GetObjectKind().GroupVersionKind().Kind, name: o.GetName()})
+		prog.objects = append(prog.objects, keyOf(o))
 	}
 	r.mem.programmed.Store(client.ObjectKeyFromObject(p), prog)
 	return prog
@@ -188,7 +220,7 @@ func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.Rat
 		last, ok := r.mem.applied.get(key, o)
 		// Only the resourceVersion is read: the cache's own object, not a deep copy of it (a
 		// Deployment's is most of this check's cost, a hundred times a second at 1,000 policies).
-		if live == nil || !ok || r.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: o.name}, live, client.UnsafeDisableDeepCopy) != nil ||
+		if live == nil || !ok || r.Get(ctx, client.ObjectKey{Namespace: o.namespace, Name: o.name}, live, client.UnsafeDisableDeepCopy) != nil ||
 			live.GetResourceVersion() != last.resourceVersion {
 			return nil
 		}
@@ -222,31 +254,31 @@ func newObject(kind string) client.Object {
 }
 
 // applyOne applies obj when applying would change it (see apply).
-func (r *RateLimitPolicyReconciler) applyOne(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object, programmed bool) error {
+func (a *applier) applyOne(ctx context.Context, obj client.Object) error {
 	desired, request, err := applyRequest(obj)
 	if err != nil {
 		return err
 	}
-	key := objectKey{kind: desired.GetKind(), name: desired.GetName()}
-	last, seen := r.mem.applied.get(client.ObjectKeyFromObject(p), key)
+	key := keyOf(obj)
+	last, seen := a.cache.get(a.key, key)
 	live := obj.DeepCopyObject().(client.Object)
-	reason, err := r.why(ctx, p, desired, live, request, last, seen, programmed)
+	reason, err := a.why(ctx, desired, live, request, last, seen)
 	if err != nil || reason == "" {
 		return err
 	}
-	if err := r.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
+	if err := a.client.Apply(ctx, client.ApplyConfigurationFromUnstructured(desired), client.FieldOwner(FieldOwner), client.ForceOwnership); err != nil {
 		return fmt.Errorf("apply %s %s: %w", desired.GetKind(), desired.GetName(), err)
 	}
 	appliesTotal.WithLabelValues(desired.GetKind()).Inc()
 	// The answer is the object as applied; its resourceVersion is the one the cache will show.
-	r.mem.applied.set(client.ObjectKeyFromObject(p), key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
+	a.cache.set(a.key, key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
 	drift := ""
-	if programmed && (!seen || last.request == request) {
+	if a.programmed && (!seen || last.request == request) {
 		drift = reason
 	}
 	logf.FromContext(ctx).Info("Applied enforcer object", "kind", desired.GetKind(), "object", klog.KObj(desired), "reason", reason, "drift", drift)
-	if drift != "" && r.Recorder != nil {
-		r.Recorder.Eventf(p, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
+	if drift != "" && a.recorder != nil {
+		a.recorder.Eventf(a.on, live, corev1.EventTypeWarning, EventDriftCorrected, "Apply",
 			"Put back %s %s: %s", desired.GetKind(), desired.GetName(), drift)
 	}
 	return nil
@@ -256,24 +288,25 @@ func (r *RateLimitPolicyReconciler) applyOne(ctx context.Context, p *v1alpha1.Ra
 // the rendered request changed, or the live object does not hold what applying it leaves (the
 // fields sluice owns and their values); "" when nothing would change. An object that belongs to
 // someone else is in the way.
-func (r *RateLimitPolicyReconciler) why(ctx context.Context, p *v1alpha1.RateLimitPolicy, desired *unstructured.Unstructured, live client.Object,
-	request [sha256.Size]byte, last applied, seen, programmed bool) (string, error) {
-	switch err := r.Get(ctx, client.ObjectKeyFromObject(desired), live); {
+func (a *applier) why(ctx context.Context, desired *unstructured.Unstructured, live client.Object,
+	request [sha256.Size]byte, last applied, seen bool) (string, error) {
+	switch err := a.client.Get(ctx, client.ObjectKeyFromObject(desired), live); {
 	case apierrors.IsNotFound(err):
-		if !programmed {
+		if !a.programmed {
 			return "the object does not exist", nil
 		}
 		return "the object was deleted", nil
 	case err != nil:
 		return "", err
 	}
-	if owner := metav1.GetControllerOf(live); owner == nil || owner.UID != p.UID {
-		if live.GetDeletionTimestamp() != nil || owner != nil && owner.Kind == "RateLimitPolicy" && owner.Name == p.Name {
-			// A policy deleted and created again: garbage collection is about to remove the old
+	want := metav1.GetControllerOfNoCopy(desired)
+	if owner := metav1.GetControllerOf(live); owner == nil || want == nil || owner.UID != want.UID {
+		if live.GetDeletionTimestamp() != nil || owner != nil && want != nil && owner.Kind == want.Kind && owner.Name == want.Name {
+			// An owner deleted and created again: garbage collection is about to remove the old
 			// one's objects, and their deletion brings us back here.
-			return "", fmt.Errorf("%s %s still belongs to the earlier policy %s, which is being deleted", desired.GetKind(), desired.GetName(), p.Name)
+			return "", fmt.Errorf("%s %s still belongs to the earlier %s %s, which is being deleted", desired.GetKind(), desired.GetName(), want.Kind, want.Name)
 		}
-		return "", &notOwnedError{kind: desired.GetKind(), name: desired.GetName()}
+		return "", &notOwnedError{kind: desired.GetKind(), name: desired.GetName(), owner: ownerKind(want)}
 	}
 	if seen && last.request == request && last.resourceVersion == live.GetResourceVersion() {
 		return "", nil // nothing changed on either side since the last look
@@ -283,7 +316,7 @@ func (r *RateLimitPolicyReconciler) why(ctx context.Context, p *v1alpha1.RateLim
 	}
 	reason, err := applyReason(desired, live)
 	if err == nil && reason == "" {
-		r.mem.applied.set(client.ObjectKeyFromObject(p), objectKey{kind: desired.GetKind(), name: desired.GetName()},
+		a.cache.set(a.key, objectKey{kind: desired.GetKind(), namespace: desired.GetNamespace(), name: desired.GetName()},
 			applied{request: request, resourceVersion: live.GetResourceVersion()})
 	}
 	return reason, err
@@ -439,8 +472,12 @@ func firstDifference(got, want any, path string) (string, bool) {
 	}
 }
 
-// objectKey names one of a policy's objects; they share the policy's namespace.
-type objectKey struct{ kind, name string }
+// objectKey names one of an owner's objects.
+type objectKey struct{ kind, namespace, name string }
+
+func keyOf(o client.Object) objectKey {
+	return objectKey{kind: o.GetObjectKind().GroupVersionKind().Kind, namespace: o.GetNamespace(), name: o.GetName()}
+}
 
 // applied is what the controller last knew of an object it applies: the digest of the request
 // it last applied, and the object's resourceVersion when it last held what that request makes it.
@@ -484,23 +521,35 @@ func (c *appliedCache) forget(policy types.NamespacedName) {
 // stalledRecheck is how often a policy stalled by an object in its way looks again.
 const stalledRecheck = 5 * time.Minute
 
-// notOwnedError says that an object the policy renders exists and belongs to something else.
+// notOwnedError says that an object an owner renders exists and belongs to something else.
 // The controller never takes such an object over.
-type notOwnedError struct{ kind, name string }
+type notOwnedError struct{ kind, name, owner string }
 
 func (e *notOwnedError) Error() string {
-	return fmt.Sprintf("%s %s exists and is not owned by this policy: delete or rename it, or rename the policy", e.kind, e.name)
+	owner := e.owner
+	if owner == "" {
+		owner = "policy"
+	}
+	return fmt.Sprintf("%s %s exists and is not owned by this %s: delete or rename it, or rename the %s", e.kind, e.name, owner, owner)
 }
 
-// deleteOwned deletes obj if it exists and the policy controls it.
-func (r *RateLimitPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.RateLimitPolicy, obj client.Object) error {
-	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
+// ownerKind names the kind of a controller reference for people: policy or pool.
+func ownerKind(ref *metav1.OwnerReference) string {
+	if ref != nil && ref.Kind == "EnforcerPool" {
+		return "pool"
+	}
+	return "policy"
+}
+
+// deleteOwned deletes obj if it exists and the owner of this UID controls it.
+func deleteOwned(ctx context.Context, c client.Client, owner types.UID, obj client.Object) error {
+	if err := c.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
 		return client.IgnoreNotFound(err)
 	}
-	if owner := metav1.GetControllerOf(obj); owner == nil || owner.UID != p.UID {
+	if ref := metav1.GetControllerOf(obj); ref == nil || ref.UID != owner {
 		return nil
 	}
-	if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
+	if err := c.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}
 	logf.FromContext(ctx).Info("Deleted enforcer object that the policy no longer renders", "object", klog.KObj(obj))

@@ -92,6 +92,9 @@ type memory struct {
 	programmed sync.Map // types.NamespacedName -> *programmed
 	// written is when each policy's status was last written.
 	written sync.Map // types.NamespacedName -> time.Time
+	// pools reads the pools' replicas' reports; poolMemory is the pool reconciler's.
+	pools      *poolReports
+	poolMemory *poolMemory
 }
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
@@ -126,13 +129,34 @@ func (r *RateLimitPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Requ
 	if !ok || err != nil {
 		return ctrl.Result{}, err // an invalid or conflicting policy waits for a change of its spec
 	}
-	prog, err := r.program(ctx, p, target)
+	pool, err := r.pool(ctx, p, &obs)
+	if err != nil || obs.poolRejection != "" {
+		return ctrl.Result{}, err // and one whose pool does not take it, for a change of either
+	}
+	var prog *programmed
+	if pool != nil {
+		prog, err = r.programPooled(ctx, p, pool)
+	} else {
+		prog, err = r.program(ctx, p, target)
+	}
 	if err != nil {
 		return ctrl.Result{}, err
 	}
 	obs.programmed, obs.revision, obs.service, obs.replicas = true, prog.revision, prog.service, prog.replicas
 	obs.image, obs.storage = prog.image, prog.storage
-	return r.observe(ctx, p, prog, &obs)
+	if pool != nil {
+		obs.pool = pool.Namespace + "/" + pool.Name
+		return ctrl.Result{}, r.observePooled(ctx, p, pool, prog, &obs)
+	}
+	res, err = r.observe(ctx, p, prog, &obs)
+	if err != nil {
+		return res, err
+	}
+	// Its own enforcers serve it: the pools it was in, if any, no longer need to.
+	if _, ready, _, _ := readiness(obs); ready {
+		return res, r.leavePools(ctx, p, types.NamespacedName{})
+	}
+	return res, nil
 }
 
 // forget drops what the manager remembers of a deleted policy.
@@ -171,6 +195,7 @@ func (r *RateLimitPolicyReconciler) finish(ctx context.Context, before, p *v1alp
 	if errors.As(err, &f) {
 		var inTheWay *notOwnedError
 		var bypass *bypassError
+		var tooLarge *tooLargeError
 		switch {
 		case f.reason == errApply && errors.As(f.err, &inTheWay):
 			f.reason, obs.applyErr, obs.stalled = errInTheWay, f.err, true
@@ -183,6 +208,9 @@ func (r *RateLimitPolicyReconciler) finish(ctx context.Context, before, p *v1alp
 		case errors.As(f.err, &bypass):
 			obs.applyErr, obs.stalled = f.err, true
 			err = nil // only a change of the Service or of the spec can fix it, and both are watched
+		case errors.As(f.err, &tooLarge):
+			obs.applyErr, obs.stalled = f.err, true
+			err = nil // only a change of the spec can fix it
 		}
 		reconcileErrors.WithLabelValues(f.reason).Inc()
 	}
@@ -227,7 +255,7 @@ func (r *RateLimitPolicyReconciler) validate(ctx context.Context, p *v1alpha1.Ra
 // apply left them (a report-only tick neither renders nor compares them again).
 func (r *RateLimitPolicyReconciler) program(ctx context.Context, p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*programmed, error) {
 	rendered := withServiceProtocol(p, target)
-	if prog := r.current(ctx, rendered, target); prog != nil {
+	if prog := r.current(ctx, rendered, target); prog != nil && prog.pool == "" {
 		return prog, nil
 	}
 	objs, err := render.Enforcer(rendered, r.Defaults)
@@ -298,7 +326,7 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 		return err
 	}
 	for _, pod := range running {
-		obs.pods = append(obs.pods, replica{pod: pod.Name, ready: podReady(pod), err: errors.New("the pod has no IP yet")})
+		obs.pods = append(obs.pods, replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), err: errNoIP})
 	}
 	var wg sync.WaitGroup
 	for i, pod := range running {
@@ -315,6 +343,11 @@ func (r *RateLimitPolicyReconciler) readReports(ctx context.Context, p *v1alpha1
 		})
 	}
 	wg.Wait()
+	for i := range obs.pods {
+		if rep := obs.pods[i].report; rep != nil {
+			obs.pods[i].revision = rep.Revision
+		}
+	}
 	reports := map[types.UID]*report.Report{}
 	for i, pod := range running {
 		reports[pod.UID] = obs.pods[i].report
@@ -506,7 +539,7 @@ func noticeable(old, cur *v1alpha1.RateLimitPolicyStatus) bool {
 	if old.Enforcer != nil {
 		o, c := old.Enforcer, cur.Enforcer
 		if o.ConfigRevision != c.ConfigRevision || o.ReadyReplicas != c.ReadyReplicas || o.Replicas != c.Replicas ||
-			o.Image != c.Image || o.Storage != c.Storage || o.ServiceName != c.ServiceName {
+			o.Image != c.Image || o.Storage != c.Storage || o.ServiceName != c.ServiceName || o.Pool != c.Pool {
 			return true
 		}
 	}
@@ -517,9 +550,13 @@ func noticeable(old, cur *v1alpha1.RateLimitPolicyStatus) bool {
 // so that a target that appears or disappears is noticed.
 func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) error {
 	r.mem = &memory{}
+	r.mem.pools = newPoolReports(r)
 	if err := mgr.GetFieldIndexer().IndexField(ctx, &v1alpha1.RateLimitPolicy{}, targetIndex, func(o client.Object) []string {
 		return []string{o.(*v1alpha1.RateLimitPolicy).Spec.TargetRef.Name}
 	}); err != nil {
+		return err
+	}
+	if err := r.indexPools(ctx, mgr); err != nil {
 		return err
 	}
 	if err := mgr.GetFieldIndexer().IndexField(ctx, &corev1.Pod{}, podPolicyIndex, func(o client.Object) []string {
@@ -544,7 +581,7 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 			return reqs
 		})
 	}
-	return ctrl.NewControllerManagedBy(mgr).
+	if err := ctrl.NewControllerManagedBy(mgr).
 		WithOptions(controller.Options{MaxConcurrentReconciles: max(1, r.Workers)}).
 		For(&v1alpha1.RateLimitPolicy{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Owns(&corev1.ConfigMap{}).
@@ -572,7 +609,25 @@ func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ct
 		}), builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		// Replicas report what no event announces.
 		WatchesRawSource(reportTicker{r}).
-		Complete(r)
+		// A pool that appears, goes or changes, a namespace whose labels a pool selects by, and
+		// a pooled policy's config changed by hand bring the policies that join it; its
+		// replicas' reports bring the policies whose entry changed.
+		Watches(&v1alpha1.EnforcerPool{}, r.policiesOfPool(), builder.WithPredicates(predicate.GenerationChangedPredicate{})).
+		Watches(&appsv1.Deployment{}, r.policiesOfPoolObjects()).
+		Watches(&corev1.Pod{}, r.policiesOfPoolObjects()).
+		Watches(&corev1.Namespace{}, r.pooledPoliciesOfNamespace(), builder.WithPredicates(predicate.LabelChangedPredicate{})).
+		Watches(&corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
+			id, ok := o.GetAnnotations()[report.PolicyAnnotation]
+			if !ok || o.GetLabels()[report.PoolLabel] == "" {
+				return nil
+			}
+			return []reconcile.Request{{NamespacedName: policyKey(id)}}
+		})).
+		WatchesRawSource(r.mem.pools.source(false)).
+		Complete(r); err != nil {
+		return err
+	}
+	return r.setupPools(mgr)
 }
 
 // CacheByObject narrows what the manager caches: of all pods, only enforcer pods; of all

@@ -9,6 +9,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/report"
@@ -20,6 +21,11 @@ type observation struct {
 	invalid string
 	// conflictsWith names the older policy that targets the same Service.
 	conflictsWith string
+	// poolRejection is the reason the pool of spec.enforcer.poolRef does not take the policy
+	// (PoolNotFound, NotAllowedByPool), and poolMessage says why.
+	poolRejection, poolMessage string
+	// pool is the "<namespace>/<name>" of the pool that serves the policy, "" for its own enforcer.
+	pool string
 	// applyErr is set when applying an object failed; stalled when no retry can fix it.
 	applyErr error
 	stalled  bool
@@ -44,11 +50,16 @@ type observation struct {
 // replica is one enforcer pod as the manager saw it.
 type replica struct {
 	pod string
+	uid types.UID
 	// ready is the pod's Ready condition.
 	ready bool
 	// report is what the enforcer reported, or err why it could not be read.
 	report *report.Report
 	err    error
+	// revision is the revision of the policy the replica serves: its report's, or, for a
+	// pool's replica, its entry's ("" when it serves none). refused is why it refused the
+	// current revision, if it did.
+	revision, refused string
 }
 
 // computeStatus derives the status from an observation made at now. A condition whose status
@@ -73,6 +84,9 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		msg := fmt.Sprintf("RateLimitPolicy %s already targets Service %s", obs.conflictsWith, p.Spec.TargetRef.Name)
 		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonConflicted, msg)
 		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonConflicted, msg)
+	case obs.poolRejection != "":
+		set(v1alpha1.ConditionAccepted, false, obs.poolRejection, obs.poolMessage)
+		set(v1alpha1.ConditionStalled, true, obs.poolRejection, obs.poolMessage)
 	case obs.stalled:
 		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
 		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
@@ -81,7 +95,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
 	}
 
-	accepted := obs.invalid == "" && obs.conflictsWith == ""
+	accepted := obs.invalid == "" && obs.conflictsWith == "" && obs.poolRejection == ""
 	switch {
 	case !accepted:
 		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonNotAccepted, "nothing is programmed for a policy that is not accepted")
@@ -103,7 +117,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 	set(v1alpha1.ConditionDegraded, degraded, reason, msg)
 
 	if obs.programmed {
-		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Replicas: obs.replicas, Image: obs.image,
+		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Pool: obs.pool, Replicas: obs.replicas, Image: obs.image,
 			ConfigRevision: obs.revision, ReadyReplicas: serving, Ready: fmt.Sprintf("%d/%d", serving, obs.replicas), Storage: obs.storage}
 	}
 	st.RuleNames = ruleNames(p.Spec.Rules)
@@ -122,17 +136,22 @@ func readiness(obs observation) (serving int32, ready bool, reason, msg string) 
 		return 0, false, v1alpha1.ReasonNotProgrammed, "the enforcer is not programmed"
 	}
 	others := map[string]int{}
-	var missing []string
+	var missing, refused []string
 	for _, r := range obs.pods {
 		switch {
 		case !r.ready:
 			missing = append(missing, r.pod+" is not ready")
 		case r.err != nil:
 			missing = append(missing, r.pod+" did not report: "+r.err.Error())
-		case r.report.Revision == obs.revision:
+		case r.refused != "":
+			refused = append(refused, "replica "+r.pod+" refused it: "+r.refused)
+			if r.revision != "" {
+				others[r.revision]++
+			}
+		case r.revision == obs.revision:
 			serving++
 		default:
-			others[r.report.Revision]++
+			others[r.revision]++
 		}
 	}
 	var b strings.Builder
@@ -144,7 +163,15 @@ func readiness(obs observation) (serving int32, ready bool, reason, msg string) 
 			}
 		}
 	}) {
-		fmt.Fprintf(&b, "; %d serves %s", others[rev], rev)
+		if rev == "" {
+			fmt.Fprintf(&b, "; %d does not serve it yet", others[rev])
+		} else {
+			fmt.Fprintf(&b, "; %d serves %s", others[rev], rev)
+		}
+	}
+	if len(refused) > 0 {
+		slices.Sort(refused)
+		fmt.Fprintf(&b, "; %s", refused[0])
 	}
 	if len(missing) > 0 {
 		slices.Sort(missing)
@@ -158,6 +185,8 @@ func readiness(obs observation) (serving int32, ready bool, reason, msg string) 
 	rolling := d.Status.ObservedGeneration < d.Generation ||
 		d.Status.UpdatedReplicas < obs.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
 	switch {
+	case len(refused) > 0:
+		return serving, false, v1alpha1.ReasonRefused, msg
 	case len(others) > 0 || rolling && serving < obs.replicas:
 		return serving, false, v1alpha1.ReasonRollingOut, msg
 	case serving < obs.replicas || d.Status.AvailableReplicas < obs.replicas:
@@ -171,6 +200,9 @@ func readiness(obs observation) (serving int32, ready bool, reason, msg string) 
 // degradation tells what weakens enforcement: a missing target, a store that a replica cannot
 // use, in that replica's words, or, when no replica reports, a Redis the manager cannot reach.
 func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, string) {
+	if obs.targetMissing && obs.pool != "" {
+		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the pool limits requests for nothing"
+	}
 	if obs.targetMissing {
 		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the enforcer has nothing to forward to"
 	}

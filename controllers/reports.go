@@ -27,6 +27,12 @@ import (
 	"github.com/sluice-dev/sluice/internal/report"
 )
 
+// MaxReportBytes bounds the report read from one pod. A pool replica's report lists every policy
+// it serves and every rule's counters, about 300 bytes a one-rule policy: 3 MB at 10,000, which
+// the 1 MiB bound of a policy's own enforcer cut off, so no policy of such a pool was ever Ready.
+// 64 MiB holds some 200,000 such policies and still bounds what a pod can make the manager hold.
+const MaxReportBytes = 64 << 20
+
 // ReportFetcher reads the report of the enforcer in a pod.
 type ReportFetcher func(ctx context.Context, pod *corev1.Pod) (*report.Report, error)
 
@@ -56,7 +62,7 @@ func FetchReport(c *http.Client) ReportFetcher {
 			return nil, &reportError{reportStatus, fmt.Errorf("GET %s: %s", url, resp.Status)}
 		}
 		var r report.Report
-		if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&r); err != nil {
+		if err := json.NewDecoder(io.LimitReader(resp.Body, MaxReportBytes)).Decode(&r); err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) {
 				return nil, fmt.Errorf("GET %s: %w", url, err) // the body was cut off

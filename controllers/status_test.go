@@ -76,7 +76,7 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 		}
 	}
 	serving := func(pod, revision string) replica {
-		return replica{pod: pod, ready: true, report: &report.Report{Revision: revision, Store: report.Store{Connected: true}}}
+		return replica{pod: pod, ready: true, revision: revision, report: &report.Report{Revision: revision, Store: report.Store{Connected: true}}}
 	}
 	observe := func(d *appsv1.Deployment, pods ...replica) observation {
 		return observation{programmed: true, revision: "r1", service: "sluice-p", replicas: 2, image: "img", storage: "redis-standalone",
@@ -144,6 +144,17 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisTLSFailed, "replica p-b: tls: failed to verify certificate"}}, "2/2"},
 		{"when Redis does not answer a replica in time then Degraded RedisUnreachable", storeFails(report.CauseTimeout, "context deadline exceeded"), map[string]cond{
 			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable, "replica p-b: context deadline exceeded"}}, "2/2"},
+		{"when a pool's replica refused the current revision then Refused, in its words", observe(ready(2), serving("p-a", "r1"),
+			replica{pod: "p-b", ready: true, revision: "r0", refused: `unknown field "spec.x"`, report: &report.Report{Store: report.Store{Connected: true}}}), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRefused, `1/2 replicas serve revision r1; 1 serves r0; replica p-b refused it: unknown field "spec.x"`}}, "1/2"},
+		{"when a pool's replica does not serve the policy yet then RollingOut", observe(ready(2), serving("p-a", "r1"),
+			replica{pod: "p-b", ready: true, report: &report.Report{Store: report.Store{Connected: true}}}), map[string]cond{
+			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut, "1/2 replicas serve revision r1; 1 does not serve it yet"}}, "1/2"},
+		{"when the pool does not exist then not Accepted and Stalled", observation{poolRejection: v1alpha1.ReasonPoolNotFound, poolMessage: "EnforcerPool gw/x does not exist"}, map[string]cond{
+			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonPoolNotFound, "EnforcerPool gw/x does not exist"}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonPoolNotFound, ""},
+			v1alpha1.ConditionProgrammed: {"False", v1alpha1.ReasonNotAccepted, ""}}, ""},
+		{"when the pool does not admit the namespace then not Accepted and Stalled", observation{poolRejection: v1alpha1.ReasonNotAllowedByPool, poolMessage: "no"}, map[string]cond{
+			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonNotAllowedByPool, "no"}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonNotAllowedByPool, ""}}, ""},
 		{"when no replica reports then the manager's probe speaks", probeOnly, map[string]cond{
 			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable, "dial tcp 10.0.0.1:6379: i/o timeout"}}, "0/2"},
 	}

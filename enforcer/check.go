@@ -32,8 +32,15 @@ import (
 // HTTP/2, upgrades or streaming, so the check API is served by fasthttp, which spends a fraction
 // of net/http's CPU per request (docs/benchmarks.md). A leaky-bucket request's answer is held
 // for its wait, and released at once if the caller closes the connection meanwhile (holdConn).
+//
+// Every endpoint is also served under PoliciesPath for one policy by name:
+// /policies/<namespace>/<name>/auth-request and /policies/<namespace>/<name>/forward-auth decide
+// against that policy's rules alone. A pool's replica (pool) serves only these: its policies are
+// many, and a request that named none would be decided against all of them. A policy the
+// enforcer does not serve is refused with 404, naming it, never decided against no rules.
 type check struct {
 	limiter *limiter.Limiter
+	pool    bool
 }
 
 // The check API's endpoints.
@@ -66,15 +73,50 @@ var endpoints = map[string]endpoint{
 	ForwardAuthPath: {"X-Forwarded-Method", "X-Forwarded-Uri", func(status int) int { return status }},
 }
 
+// PoliciesPath begins the check API's paths of one policy: PoliciesPath + "<namespace>/<name>"
+// followed by AuthRequestPath or ForwardAuthPath.
+const PoliciesPath = "/policies/"
+
 const unknownEndpoint = "the check API answers on " + AuthRequestPath + " (nginx auth_request: X-Original-Method, X-Original-URL) and " +
-	ForwardAuthPath + " (Traefik ForwardAuth: X-Forwarded-Method, X-Forwarded-Uri)"
+	ForwardAuthPath + " (Traefik ForwardAuth: X-Forwarded-Method, X-Forwarded-Uri), for one policy under " + PoliciesPath + "<namespace>/<name>"
+
+const poolEndpoint = "a pool's check API decides for one policy at a time: " + PoliciesPath + "<namespace>/<name>" + ForwardAuthPath +
+	" (Traefik ForwardAuth) or " + PoliciesPath + "<namespace>/<name>" + AuthRequestPath + " (nginx auth_request)"
+
+// route finds the endpoint of a path and the policy it names, or the 404 that answers it.
+func (c *check) route(path string) (ep endpoint, id, notFound string) {
+	rest, named := strings.CutPrefix(path, PoliciesPath)
+	if !named {
+		ep, ok := endpoints[path]
+		switch {
+		case !ok:
+			return ep, "", unknownEndpoint
+		case c.pool:
+			return ep, "", poolEndpoint
+		}
+		return ep, "", ""
+	}
+	parts := strings.Split(rest, "/")
+	if len(parts) != 3 || parts[0] == "" || parts[1] == "" {
+		return ep, "", unknownEndpoint
+	}
+	ep, ok := endpoints["/"+parts[2]]
+	if !ok {
+		return ep, "", unknownEndpoint
+	}
+	id = parts[0] + "/" + parts[1]
+	if c.limiter.Policy(id) == nil {
+		return ep, id, limiter.NotServed(id)
+	}
+	return ep, id, ""
+}
 
 func (c *check) serve(ctx *fasthttp.RequestCtx) {
-	ep, ok := endpoints[b2s(ctx.Path())]
+	ep, id, notFound := c.route(b2s(ctx.Path()))
 	resp := &ctx.Response.Header
-	if !ok {
+	if notFound != "" {
 		ctx.SetStatusCode(http.StatusNotFound)
-		ctx.SetBody(malformed(resp.Set, http.StatusNotFound, unknownEndpoint))
+		ctx.SetBody(malformed(resp.Set, http.StatusNotFound, notFound))
 		return
 	}
 	header := fastHeader{&ctx.Request.Header}
@@ -84,7 +126,7 @@ func (c *check) serve(ctx *fasthttp.RequestCtx) {
 	if err := errors.Join(err1, err2); err != nil {
 		v = invalid(http.StatusBadRequest, strings.ReplaceAll(err.Error(), "\n", "; ")+"; "+unknownEndpoint)
 	} else {
-		v = decide(c.limiter, &input{method: method, target: uri, header: header, peer: remoteAddr(ctx)})
+		v = decide(c.limiter, &input{method: method, target: uri, header: header, peer: remoteAddr(ctx), policy: id})
 	}
 	body := v.write(resp.Set)
 	if v.status != http.StatusOK {

@@ -39,10 +39,7 @@ func (e *Enforcer) serveKeys(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	id := q.Get("policy")
 	var reply *keysReply
-	for _, p := range e.limiter.Policies() {
-		if p.ID != id {
-			continue
-		}
+	if p := e.limiter.Policy(id); p != nil {
 		reply = &keysReply{Policy: p.ID}
 		describe := q.Has("addr") || q.Has("path") || q.Has("header")
 		var req limiter.Request

@@ -7,6 +7,7 @@ import (
 	"math"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,12 +31,19 @@ const (
 	// on :method and :path with these descriptor keys give them.
 	EntryMethod = "method"
 	EntryPath   = "path"
+	// EntryPolicy names the policy ("<namespace>/<name>") a descriptor asks about, for gateways
+	// whose rate limit service has one domain for every route (Contour): Envoy's generic_key
+	// action with this descriptor key. It is not a request header.
+	EntryPolicy = "sluice-policy"
 )
 
 // rls is Envoy's rate limit service, envoy.service.ratelimit.v3.RateLimitService. A call's
-// domain names the policy ("<namespace>/<name>"); each descriptor describes a request, its
-// entries mapped onto what the policy's rules match and key on; every rule that matches any of
-// the descriptors is decided, and all are charged or none.
+// domain names the policy ("<namespace>/<name>"), or, when the domain is no policy served here
+// (a gateway with one domain for every route), each descriptor names its own with an
+// EntryPolicy entry; each descriptor describes a request, its entries mapped onto what the
+// policy's rules match and key on; every rule that matches any of the descriptors is decided,
+// and all are charged or none. A policy not served here is refused with INVALID_ARGUMENT,
+// naming it, never decided against no rules.
 type rls struct {
 	rlsv3.UnimplementedRateLimitServiceServer
 	limiter *limiter.Limiter
@@ -50,12 +58,11 @@ const (
 )
 
 func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
-	served := false
-	for _, p := range s.limiter.Policies() {
-		served = served || p.ID == req.GetDomain()
-	}
-	if !served {
-		return nil, status.Errorf(codes.InvalidArgument, "domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>", abbreviate(req.GetDomain()))
+	domain := req.GetDomain()
+	byDomain := s.limiter.Policy(domain) != nil
+	if !byDomain && !slices.ContainsFunc(req.GetDescriptors(), namesPolicy) {
+		return nil, status.Errorf(codes.InvalidArgument, "domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>, "+
+			"or each descriptor names its policy with an entry %q", abbreviate(domain), EntryPolicy)
 	}
 	if n := len(req.GetDescriptors()); n > MaxRLSDescriptors {
 		return nil, status.Errorf(codes.ResourceExhausted, "%d descriptors: at most %d are decided in one call", n, MaxRLSDescriptors)
@@ -74,11 +81,22 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		}
 		// Saturated, not wrapped: 2^63 and above would turn negative, and then into 1.
 		hits := int64(min(addend, math.MaxInt64))
-		r, err := descriptorRequest(d)
+		r, named, err := descriptorRequest(d)
 		if err != nil {
 			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: %v", i, err)
 		}
-		r.Policy, r.Hits, r.KeysRequired = req.GetDomain(), max(1, hits), true
+		switch {
+		case named == "" && !byDomain:
+			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d names no policy: the domain %q is no policy served here; "+
+				"name one with an entry %q", i, abbreviate(domain), EntryPolicy)
+		case named == "":
+			named = domain
+		case byDomain && named != domain:
+			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d names policy %q, the domain %q", i, abbreviate(named), abbreviate(domain))
+		case s.limiter.Policy(named) == nil:
+			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: %s", i, limiter.NotServed(named))
+		}
+		r.Policy, r.Hits, r.KeysRequired = named, max(1, hits), true
 		reqs[i] = r
 	}
 	// Detached from the call, as every front end decides (seam.go): Envoy's timeout must not
@@ -117,24 +135,35 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	return resp, nil
 }
 
-// descriptorRequest maps a descriptor's entries onto a request.
-func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, error) {
+// namesPolicy reports whether a descriptor names its policy (EntryPolicy).
+func namesPolicy(d *rlv3.RateLimitDescriptor) bool {
+	return slices.ContainsFunc(d.GetEntries(), func(e *rlv3.RateLimitDescriptor_Entry) bool {
+		return strings.EqualFold(e.GetKey(), EntryPolicy)
+	})
+}
+
+// descriptorRequest maps a descriptor's entries onto a request, and returns the policy it names
+// (EntryPolicy), if any.
+func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, string, error) {
 	h := http.Header{}
 	in := input{header: h, target: "/"}
 	var peer netip.Addr
+	var named string
 	hasPath := false
 	seen := map[string]bool{}
 	for _, e := range d.GetEntries() {
 		key := strings.ToLower(e.GetKey())
-		if seen[key] && (key == EntryRemoteAddress || key == EntryMethod || key == EntryPath) {
-			return limiter.Request{}, fmt.Errorf("entry %q is repeated: a request has one", key)
+		if seen[key] && (key == EntryRemoteAddress || key == EntryMethod || key == EntryPath || key == EntryPolicy) {
+			return limiter.Request{}, "", fmt.Errorf("entry %q is repeated: a request has one", key)
 		}
 		seen[key] = true
 		switch key {
+		case EntryPolicy:
+			named = e.GetValue()
 		case EntryRemoteAddress:
 			a, err := netip.ParseAddr(e.GetValue())
 			if err != nil {
-				return limiter.Request{}, err
+				return limiter.Request{}, "", err
 			}
 			peer = a.Unmap()
 		case EntryMethod:
@@ -147,13 +176,13 @@ func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, error) {
 	}
 	r, bad := in.request()
 	if bad != nil {
-		return r, errors.New(bad.detail)
+		return r, "", errors.New(bad.detail)
 	}
 	if !hasPath {
 		r.Path = "" // a descriptor without a path carries none: rules keyed on it do not apply
 	}
 	r.Peer = peer
-	return r, nil
+	return r, named, nil
 }
 
 // descriptorStatus is a descriptor's status: its code, and the limit, remaining and reset of the

@@ -40,6 +40,9 @@ type Config struct {
 	// ConfigMap, when set, is watched through the API server, and its policy file is applied
 	// as it changes; PolicyFile then serves at start and while the watch fails.
 	ConfigMap *ConfigMapSource
+	// Pool, when set, makes the enforcer a replica of an EnforcerPool: it serves the policies
+	// of the pool's ConfigMaps, each loaded apart, and no PolicyFile (see PoolSource).
+	Pool *PoolSource
 	// Upstream receives the requests that pass. Nil serves no proxy (check API only).
 	Upstream *url.URL
 	// Listen, CheckListen and AdminListen are the proxy, check API and admin addresses, and
@@ -93,6 +96,8 @@ type Enforcer struct {
 	health   atomic.Pointer[report.Store]
 	watching atomic.Bool
 	applyMu  sync.Mutex
+	// pool follows the pool's ConfigMaps, with Config.Pool.
+	pool *poolWatch
 	// done closes when the enforcer has stopped; err is why, if anything failed.
 	done chan struct{}
 	err  error
@@ -116,9 +121,13 @@ func Run(ctx context.Context, cfg Config) error {
 // and only then is the store closed.
 func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	cfg.Enforcer = cfg.WithDefaults()
-	data, policies, err := loadFile(cfg)
-	if err != nil {
-		return nil, err
+	var data []byte
+	var policies []*policy.Policy
+	if cfg.Pool == nil {
+		var err error
+		if data, policies, err = loadFile(cfg); err != nil {
+			return nil, err
+		}
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildinfo.Read().Collector())
@@ -129,13 +138,20 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 	e := &Enforcer{cfg: cfg, store: opts.Store, limiter: limiter.New(opts), errs: make(chan error, 3), done: make(chan struct{}),
 		panics: newPanics(reg, cfg.Log), conns: newConnMetrics(reg), reloads: newReloads(reg)}
 	e.started = e.now()
+	if cfg.Pool != nil {
+		e.pool = newPoolWatch(e)
+	}
 	e.limiter.SetPolicies(policies)
-	e.served.Store(&served{Revision: report.Revision(data), Since: e.started, Source: report.SourceFile})
+	if cfg.Pool == nil {
+		e.served.Store(&served{Revision: report.Revision(data), Since: e.started, Source: report.SourceFile})
+	} else {
+		e.served.Store(&served{Since: e.started, Source: report.SourceAPI})
+	}
 	// The report tells the store's health from the start: a first ping, at most a second long.
 	e.checkedStore(e.ping(ctx))
 	servers := []server{
 		{"proxy", &e.ProxyAddr, cfg.Listen, e.proxy(reg)},
-		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter})},
+		{"check", &e.CheckAddr, cfg.CheckListen, e.serveCheck(&check{limiter: e.limiter, pool: cfg.Pool != nil})},
 		{"rls", &e.RLSAddr, cfg.RLSListen, e.serveRLS(&rls{limiter: e.limiter})},
 		{"admin", &e.AdminAddr, cfg.AdminListen, e.serveHTTP(e.panics.http("admin", e.admin(reg)))},
 	}
@@ -147,8 +163,13 @@ func Start(ctx context.Context, cfg Config) (*Enforcer, error) {
 		e.stop(0)
 		return nil, err
 	}
-	cfg.Log.Info("Enforcer started", "proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr, "rls", e.RLSAddr,
-		"policies", len(policies), "store", storeName(cfg))
+	kv := []any{"proxy", e.ProxyAddr, "check", e.CheckAddr, "admin", e.AdminAddr, "rls", e.RLSAddr, "store", storeName(cfg)}
+	if cfg.Pool != nil {
+		kv = append(kv, "pool", cfg.Pool.Namespace+"/"+cfg.Pool.Name)
+	} else {
+		kv = append(kv, "policies", len(policies))
+	}
+	cfg.Log.Info("Enforcer started", kv...)
 	return e, nil
 }
 
@@ -205,6 +226,11 @@ func (e *Enforcer) admin(reg *prometheus.Registry) http.Handler {
 			http.Error(w, "shutting down", http.StatusServiceUnavailable)
 			return
 		}
+		if e.pool != nil && !e.pool.synced.Load() {
+			// A replica that has not loaded the pool's policies would refuse their requests.
+			http.Error(w, "loading the pool's policies", http.StatusServiceUnavailable)
+			return
+		}
 		live(w, r)
 	}
 	admin := http.NewServeMux()
@@ -246,7 +272,14 @@ func (e *Enforcer) proxy(reg *prometheus.Registry) func(net.Listener) func(conte
 // store's pings, and the stop, when ctx is done or a server fails.
 func (e *Enforcer) follow(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
-	e.wg.Go(func() { e.watchFile(ctx) })
+	if e.cfg.Pool != nil {
+		if err := e.watchPool(ctx); err != nil {
+			cancel()
+			return err
+		}
+	} else {
+		e.wg.Go(func() { e.watchFile(ctx) })
+	}
 	e.wg.Go(func() { e.pingStore(ctx) })
 	if e.cfg.ConfigMap != nil {
 		if err := e.watchConfigMap(ctx); err != nil {

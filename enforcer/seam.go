@@ -48,6 +48,8 @@ type input struct {
 	method, target string
 	header         policy.Header
 	peer           netip.Addr
+	// policy, when set, names the one policy ("<namespace>/<name>") whose rules decide.
+	policy string
 	// gone closes when the client leaves, where the protocol tells: an h2c stream reset, a closed
 	// HTTP/1.1 connection under net/http. Nil where it cannot tell without reading the connection
 	// (fasthttp's HTTP/1.1, which learns it while holding a queued request, see holdConn).
@@ -78,7 +80,7 @@ func (in *input) request() (limiter.Request, *verdict) {
 	if bad != nil {
 		return limiter.Request{}, bad
 	}
-	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer, SeesResponse: in.seesResponse}, nil
+	return limiter.Request{Method: strings.ToUpper(in.method), Path: path, Header: in.header, Peer: in.peer, Policy: in.policy, SeesResponse: in.seesResponse}, nil
 }
 
 // decide decides one HTTP request, detached from its client; a client that left meanwhile is

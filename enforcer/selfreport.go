@@ -116,6 +116,10 @@ func (e *Enforcer) report() report.Report {
 		Store:         *e.health.Load(),
 	}
 	r.Store.BreakerOpen = e.limiter.BreakerOpen()
+	if w := e.pool; w != nil {
+		v := w.view.Load()
+		r.Pool, r.Synced, r.Policies, r.Refused = w.name, w.synced.Load(), v.served, v.refused
+	}
 	counters := e.limiter.Counters()
 	for _, p := range e.limiter.Policies() {
 		for _, rule := range p.Rules {

@@ -50,7 +50,8 @@ func Warnings(p *v1alpha1.RateLimitPolicy) []string {
 }
 
 // responseWarnings says, of every rule that needs to see its response end, that the front ends
-// that cannot (the check API that ingresses call, and Envoy's rate limit service) skip it; and
+// that cannot (the check API that ingresses call, and Envoy's rate limit service) skip it, and
+// that a policy in a pool, which only those serve, never decides it; and
 // of a rule charged by the response with no concurrency rule over the same requests and clients,
 // that what is in flight when its limit is reached passes beyond it.
 func responseWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
@@ -66,6 +67,13 @@ func responseWarnings(p *v1alpha1.RateLimitPolicy, c *policy.Policy) []string {
 		what := "is a concurrency rule, whose slots are freed when responses end"
 		if r.OnResponse {
 			what = "is charged by the response"
+		}
+		if e := p.Spec.Enforcer; e != nil && e.PoolRef != nil {
+			// A pool serves only the front ends that skip the rule: it is never decided.
+			out = append(out, fmt.Sprintf("%s %s: only an enforcer's proxy sees a response end, and a policy in a pool (spec.enforcer.poolRef) is decided only by the pool's check API and Envoy's rate limit service, "+
+				"which skip the rule and count it as skipped, so it never limits anything; give the policy its own enforcer and route through its proxy to enforce it",
+				ruleRef(i, r.Name), what))
+			continue
 		}
 		out = append(out, fmt.Sprintf("%s %s: only the enforcer's proxy sees a response end; the check API (ingress forward-auth) and Envoy's rate limit service%s skip the rule and count it as skipped",
 			ruleRef(i, r.Name), what, rls))

@@ -64,8 +64,20 @@ func warningCases() []warningCase {
 			return p
 		}
 	}
+	inPool := func(f func() *v1alpha1.RateLimitPolicy) func() *v1alpha1.RateLimitPolicy {
+		return func() *v1alpha1.RateLimitPolicy {
+			p := f()
+			p.Spec.Enforcer = &v1alpha1.EnforcerSpec{PoolRef: &v1alpha1.PoolRef{Name: "shared"}}
+			return p
+		}
+	}
 	return []warningCase{
 		{"when every rule has a key and enforces then nothing is said", policyOf(bucket("a", 10, 1, "1s")), nil},
+		{"when a policy in a pool has a concurrency rule and a rule charged by the response then neither is ever decided",
+			inPool(policyOf(failures, slots)),
+			[]string{`spec.rules[0] ("failures") is charged by the response: only an enforcer's proxy sees a response end, and a policy in a pool (spec.enforcer.poolRef) is decided only by the pool's check API and Envoy's rate limit service, which skip the rule and count it as skipped, so it never limits anything`,
+				`spec.rules[1] ("in-flight") is a concurrency rule, whose slots are freed when responses end: only an enforcer's proxy sees a response end, and a policy in a pool`}},
+		{"when a policy in a pool has rules charged on the request then nothing is said", inPool(policyOf(onRequest)), nil},
 		{"when a rule is a concurrency limit then the check API and RLS skip it",
 			policyOf(slots),
 			[]string{`spec.rules[0] ("in-flight") is a concurrency rule, whose slots are freed when responses end: only the enforcer's proxy sees a response end; the check API (ingress forward-auth) and Envoy's rate limit service skip the rule and count it as skipped`}},

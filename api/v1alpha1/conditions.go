@@ -1,6 +1,7 @@
 package v1alpha1
 
-// Condition types of a RateLimitPolicy. GitOps tools read health from Ready.
+// Condition types of a RateLimitPolicy and of an EnforcerPool. GitOps tools read health from
+// Ready.
 const (
 	// ConditionAccepted tells whether the spec is valid and the policy owns its target Service.
 	ConditionAccepted = "Accepted"
@@ -30,6 +31,11 @@ const (
 	ReasonInvalid = "Invalid"
 	// ReasonConflicted: an older policy in the namespace already targets the same Service.
 	ReasonConflicted = "Conflicted"
+	// ReasonPoolNotFound: spec.enforcer.poolRef names an EnforcerPool that does not exist.
+	ReasonPoolNotFound = "PoolNotFound"
+	// ReasonNotAllowedByPool: the EnforcerPool that spec.enforcer.poolRef names does not admit
+	// policies of the policy's namespace (its spec.allowedPolicies).
+	ReasonNotAllowedByPool = "NotAllowedByPool"
 )
 
 // Reasons of the Programmed condition.
@@ -55,6 +61,9 @@ const (
 	ReasonUnavailable = "Unavailable"
 	// ReasonNotProgrammed: the enforcer is not ready because it is not programmed.
 	ReasonNotProgrammed = "NotProgrammed"
+	// ReasonRefused: an enforcer replica refused the policy's current config, such as one that
+	// does not load; the message is the replica's. In a pool the other policies keep serving.
+	ReasonRefused = "Refused"
 )
 
 // Reasons of the Degraded condition.
@@ -73,4 +82,7 @@ const (
 	ReasonRedisTLSFailed = "RedisTLSFailed"
 	// ReasonTargetNotFound: the target Service does not exist, so the enforcer has nothing to front.
 	ReasonTargetNotFound = "TargetNotFound"
+	// ReasonPoliciesRefused: a replica of an EnforcerPool refused a policy's config; the pool's
+	// status.policies.refusedPolicies names them.
+	ReasonPoliciesRefused = "PoliciesRefused"
 )

@@ -22,7 +22,7 @@ var (
 )
 
 func addKnownTypes(s *runtime.Scheme) error {
-	s.AddKnownTypes(GroupVersion, &RateLimitPolicy{}, &RateLimitPolicyList{})
+	s.AddKnownTypes(GroupVersion, &RateLimitPolicy{}, &RateLimitPolicyList{}, &EnforcerPool{}, &EnforcerPoolList{})
 	metav1.AddToGroupVersion(s, GroupVersion)
 	return nil
 }

@@ -50,6 +50,8 @@ type RateLimitPolicyList struct {
 // RateLimitPolicySpec declares the rules of one Service and where their state lives.
 //
 // +kubebuilder:validation:XValidation:rule="(has(self.storage) && (has(self.storage.redis) || has(self.storage.managedRedis))) || !has(self.enforcer) || !has(self.enforcer.replicas) || self.enforcer.replicas == 1",message="memory storage keeps counters inside one enforcer, so enforcer.replicas must be 1; use storage.redis or storage.managedRedis to run more replicas",fieldPath=".enforcer.replicas"
+// +kubebuilder:validation:XValidation:rule="!has(self.enforcer) || !has(self.enforcer.poolRef) || !has(self.storage)",message="storage is the pool's when enforcer.poolRef is set: the pool keeps every policy's counters in its own store; remove storage or poolRef",fieldPath=".storage"
+// +kubebuilder:validation:XValidation:rule="!has(self.enforcer) || !has(self.enforcer.poolRef) || !has(self.targetRef.bypassProtection)",message="bypassProtection admits only the policy's own enforcer pods, and a policy in a pool (enforcer.poolRef) has none: the gateway reaches the Service itself; remove bypassProtection or poolRef",fieldPath=".targetRef.bypassProtection"
 type RateLimitPolicySpec struct {
 	// targetRef is the Service, in the policy's namespace, that the enforcer fronts.
 	// +required
@@ -875,8 +877,24 @@ const (
 	DefaultIdempotencyMaxRepeats int32      = 3
 )
 
-// EnforcerSpec shapes the enforcer Deployment.
+// EnforcerSpec shapes the enforcer Deployment, or names the pool whose enforcers serve the
+// policy instead.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.poolRef) || !has(self.replicas)",message="replicas is the pool's: a policy in a pool (poolRef) runs no enforcer of its own; remove replicas or poolRef",fieldPath=".replicas"
+// +kubebuilder:validation:XValidation:rule="!has(self.poolRef) || !has(self.image)",message="image is the pool's: a policy in a pool (poolRef) runs no enforcer of its own; remove image or poolRef",fieldPath=".image"
+// +kubebuilder:validation:XValidation:rule="!has(self.poolRef) || !has(self.resources)",message="resources are the pool's: a policy in a pool (poolRef) runs no enforcer of its own; remove resources or poolRef",fieldPath=".resources"
+// +kubebuilder:validation:XValidation:rule="!has(self.poolRef) || !has(self.rateLimitService)",message="rateLimitService is the pool's: every pool serves Envoy's rate limit service for its policies; remove rateLimitService or poolRef",fieldPath=".rateLimitService"
 type EnforcerSpec struct {
+	// poolRef names an EnforcerPool whose enforcers serve this policy, through their check API
+	// (/policies/<namespace>/<name>/forward-auth and /auth-request) and Envoy's rate limit
+	// service (domain <namespace>/<name>). The policy then runs no enforcer of its own, and no
+	// reverse proxy: send the gateway's questions to the pool. replicas, image, resources,
+	// rateLimitService and spec.storage are the pool's and must be absent. The pool must admit
+	// the policy's namespace (its allowedPolicies). Changed on a live policy, the policy moves:
+	// its new home serves it before its old one stops. Absent: the policy runs its own enforcer.
+	// +optional
+	PoolRef *PoolRef `json:"poolRef,omitempty"`
+
 	// replicas is the number of enforcer pods. Defaults to 1 with memory storage and 2 otherwise.
 	// +optional
 	// +kubebuilder:validation:Minimum=1
@@ -992,12 +1010,20 @@ type RuleStatus struct {
 	LimitedShare string `json:"limitedShare,omitempty"`
 }
 
-// EnforcerStatus reports the enforcer Deployment.
+// EnforcerStatus reports the enforcer Deployment, or the pool that serves the policy.
 type EnforcerStatus struct {
-	// serviceName is the Service that clients send traffic to instead of the target.
+	// serviceName is the Service that clients send traffic to instead of the target; for a
+	// policy in a pool, the pool's Service, whose check port answers
+	// /policies/<namespace>/<name>/forward-auth and /auth-request.
 	// +optional
 	// +kubebuilder:validation:MaxLength=63
 	ServiceName string `json:"serviceName,omitempty"`
+
+	// pool is the "<namespace>/<name>" of the EnforcerPool that serves the policy; empty when
+	// the policy runs its own enforcer.
+	// +optional
+	// +kubebuilder:validation:MaxLength=317
+	Pool string `json:"pool,omitempty"`
 
 	// replicas is the desired number of enforcer pods: spec.enforcer.replicas, or 1 with memory
 	// storage and 2 otherwise.

@@ -57,8 +57,18 @@ var flagRules = []flagrules.Rule{
 		return ""
 	},
 	func(c flagrules.Cmdline) string {
-		if c.Given("kubeconfig") && c.Value("configmap") == "" {
-			return "--kubeconfig is for --configmap, which is not given"
+		if c.Given("kubeconfig") && c.Value("configmap") == "" && c.Value("pool") == "" {
+			return "--kubeconfig is for --configmap or --pool, neither of which is given"
+		}
+		return ""
+	},
+	func(c flagrules.Cmdline) string {
+		if c.Value("pool") == "" {
+			return ""
+		}
+		if others := c.NonEmpty("policy", "configmap", "upstream"); len(others) > 0 {
+			return "--pool serves the pool's policies from their ConfigMaps, through the check API and the rate limit service: " +
+				strings.Join(others, ", ") + " cannot go with it (a policy that needs the proxy runs its own enforcer)"
 		}
 		return ""
 	},

@@ -89,6 +89,12 @@ func TestFlagsWhenACombinationCannotWorkThenTheBinaryExits2NamingTheFlags(t *tes
 			[]string{`unexpected argument "true"`}},
 		{"when a flag does not exist then refused", []string{policy, "--upstreams=http://127.0.0.1:1"}, 2,
 			[]string{"flag provided but not defined: -upstreams"}},
+		{"when --pool comes with --policy, --configmap or --upstream then refused naming each", []string{policy, "--pool=gateways/shared",
+			"--configmap=gateways/x", "--upstream=http://127.0.0.1:1"}, 2,
+			[]string{"--pool serves the pool's policies from their ConfigMaps", "--policy, --configmap, --upstream cannot go with it"}},
+		{"when --pool is not NAMESPACE/NAME then refused", []string{"--pool=shared"}, 2, []string{`--pool "shared": want NAMESPACE/NAME`}},
+		{"when neither --policy nor --pool is given then refused naming both", []string{"--check-listen=127.0.0.1:7002"}, 2,
+			[]string{"--policy is required (or --pool"}},
 		{"when several combinations cannot work then each is named", []string{policy, "--listen=:8080", "--redis-tls", "--kubeconfig=/k"}, 2,
 			[]string{"--listen needs --upstream", "--redis-tls needs a Redis", "--kubeconfig is for --configmap"}},
 	}
@@ -127,6 +133,33 @@ func TestFlagsWhenACombinationCanWorkThenItIsTaken(t *testing.T) {
 			t.Errorf("%v: %v, want it taken", args, err)
 		}
 	}
+	// A pool's replica, as the manager renders it: no --policy, no proxy.
+	t.Setenv("KUBECONFIG", "")
+	for _, args := range [][]string{
+		{"--pool=gateways/shared", "--check-listen=127.0.0.1:7002", "--rls-listen=127.0.0.1:7003", "--kubeconfig=" + kubeconfigFile(t)},
+		{"--pool=gateways/shared", "--kubeconfig=" + kubeconfigFile(t), "--redis-url=redis://127.0.0.1:1/0"},
+	} {
+		cfg, err := parse(args)
+		if err != nil {
+			t.Errorf("%v: %v, want it taken", args, err)
+			continue
+		}
+		if cfg.Pool == nil || cfg.Pool.Namespace != "gateways" || cfg.Pool.Name != "shared" || cfg.PolicyFile != "" {
+			t.Errorf("%v: pool %+v, policy file %q", args, cfg.Pool, cfg.PolicyFile)
+		}
+	}
+}
+
+// kubeconfigFile writes a kubeconfig of an API server that is never reached.
+func kubeconfigFile(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	data := "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: \"https://127.0.0.1:1\"}}]\n" +
+		"users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\ncurrent-context: c\n"
+	if err := os.WriteFile(path, []byte(data), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 // --log-level=debug logs every refusal and every failed upstream request, one line each, with

@@ -33,6 +33,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/redis/go-redis/v9"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -74,7 +75,7 @@ type cmdline struct {
 	upstream, redisURL, cluster, sentinel string
 	master, caFile, serverName            string
 	useTLS                                bool
-	configMap, kubeconfig                 string
+	configMap, kubeconfig, pool           string
 	usernameFile, passwordFile            string
 	logLevel                              string
 	showVersion                           bool
@@ -91,8 +92,8 @@ func parse(args []string) (enforcer.Config, error) {
 	if c.showVersion {
 		return c.cfg, errVersion
 	}
-	if c.cfg.PolicyFile == "" {
-		return c.cfg, errors.New("--policy is required")
+	if c.cfg.PolicyFile == "" && c.pool == "" {
+		return c.cfg, errors.New("--policy is required (or --pool, for a replica of an EnforcerPool)")
 	}
 	if err := checkFlags(fs); err != nil {
 		return c.cfg, err
@@ -101,7 +102,7 @@ func parse(args []string) (enforcer.Config, error) {
 	if c.clockOffset != 0 {
 		c.cfg.Now = func() time.Time { return time.Now().Add(c.clockOffset) }
 	}
-	for _, step := range []func() error{c.positive, c.configMapSource, c.upstreamURL, c.redisStore} {
+	for _, step := range []func() error{c.positive, c.configMapSource, c.poolSource, c.upstreamURL, c.redisStore} {
 		if err := step(); err != nil {
 			return c.cfg, err
 		}
@@ -140,7 +141,10 @@ func define(fs *flag.FlagSet) *cmdline {
 	fs.DurationVar(&c.cfg.RedisTimeout, "redis-timeout", defaults.RedisTimeout, "Deadline of each Redis call; past it rules apply their failure mode.")
 	fs.DurationVar(&c.cfg.ReloadInterval, "reload-interval", defaults.ReloadInterval, "How often the policy file is checked for changes.")
 	fs.StringVar(&c.configMap, "configmap", "", "NAMESPACE/NAME of a ConfigMap to watch through the API server, whose key named as the --policy file holds the policy file; the file then serves at start and while the API server cannot be reached.")
-	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap; default $KUBECONFIG, else the pod's service account.")
+	fs.StringVar(&c.pool, "pool", "", "NAMESPACE/NAME of an EnforcerPool: serve the policies of the ConfigMaps the manager writes into NAMESPACE labelled "+
+		"ratelimit.sluice.dev/pool=NAME, each loaded apart, through the check API (/policies/<namespace>/<name>/...) and the rate limit service; "+
+		"instead of --policy, and without the proxy.")
+	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "Kubeconfig for --configmap or --pool; default $KUBECONFIG, else the pod's service account.")
 	fs.DurationVar(&c.cfg.ShutdownDelay, "shutdown-delay", defaults.ShutdownDelay, "How long to keep serving after SIGTERM, with /readyz failing, before the listeners close.")
 	fs.DurationVar(&c.cfg.ShutdownTimeout, "shutdown-timeout", defaults.ShutdownTimeout, "How long in-flight requests may drain once the listeners close; longer rule maxWaits are cut short.")
 	fs.IntVar(&c.cfg.MaxConns, "max-conns", defaults.MaxConns, "Open connections the proxy, the check API and the rate limit service hold together; one more is answered 503 and closed. The admin port has its own bounds (256, 64 per address).")
@@ -190,17 +194,44 @@ func (c *cmdline) configMapSource() error {
 	if !ok || ns == "" || name == "" {
 		return fmt.Errorf("--configmap %q: want NAMESPACE/NAME", c.configMap)
 	}
+	kube, err := c.kube("--configmap")
+	if err != nil {
+		return err
+	}
+	c.cfg.ConfigMap = &enforcer.ConfigMapSource{Namespace: ns, Name: name, Key: filepath.Base(c.cfg.PolicyFile), Kube: kube}
+	return nil
+}
+
+// poolSource is the pool the enforcer serves a replica of, if any.
+func (c *cmdline) poolSource() error {
+	if c.pool == "" {
+		return nil
+	}
+	ns, name, ok := strings.Cut(c.pool, "/")
+	if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
+		return fmt.Errorf("--pool %q: want NAMESPACE/NAME", c.pool)
+	}
+	kube, err := c.kube("--pool")
+	if err != nil {
+		return err
+	}
+	c.cfg.Pool = &enforcer.PoolSource{Namespace: ns, Name: name, Kube: kube}
+	return nil
+}
+
+// kube is the API server's client config: --kubeconfig, $KUBECONFIG, or the pod's service
+// account.
+func (c *cmdline) kube(flag string) (*rest.Config, error) {
 	kubeconfig := c.kubeconfig
 	if kubeconfig == "" {
 		kubeconfig = os.Getenv("KUBECONFIG")
 	}
 	kube, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
-		return fmt.Errorf("--configmap: reach the API server: %w", err)
+		return nil, fmt.Errorf("%s: reach the API server: %w", flag, err)
 	}
 	kube.UserAgent = "sluice-enforcer"
-	c.cfg.ConfigMap = &enforcer.ConfigMapSource{Namespace: ns, Name: name, Key: filepath.Base(c.cfg.PolicyFile), Kube: kube}
-	return nil
+	return kube, nil
 }
 
 func (c *cmdline) upstreamURL() error {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
@@ -78,6 +79,31 @@ func validateResources(r *corev1.ResourceRequirements, p *field.Path) field.Erro
 		if limit, ok := r.Limits[name]; ok && req.Cmp(limit) > 0 {
 			errs = append(errs, field.Invalid(p.Child("requests").Key(string(name)), req.String(),
 				fmt.Sprintf("must be less than or equal to the %s limit (%s)", name, limit.String())))
+		}
+	}
+	return errs
+}
+
+// ValidatePool checks what the schema cannot say of an EnforcerPool, as Validate does of a
+// policy: its Redis's timeout, a managed Redis's memory within its limit, requests within limits,
+// and the label selector of the namespaces it admits.
+func ValidatePool(p *v1alpha1.EnforcerPool) field.ErrorList {
+	spec := field.NewPath("spec")
+	var errs field.ErrorList
+	if st := p.Spec.Storage; st != nil {
+		path := spec.Child("storage")
+		if st.Redis != nil {
+			errs = append(errs, validateRedis(st.Redis, path.Child("redis"))...)
+		}
+		if st.ManagedRedis != nil {
+			errs = append(errs, validateManagedRedis(st.ManagedRedis, path.Child("managedRedis"))...)
+		}
+	}
+	errs = append(errs, validateResources(p.Spec.Resources, spec.Child("resources"))...)
+	if a := p.Spec.AllowedPolicies; a != nil && a.Namespaces != nil && a.Namespaces.Selector != nil {
+		path := spec.Child("allowedPolicies", "namespaces", "selector")
+		if _, err := metav1.LabelSelectorAsSelector(a.Namespaces.Selector); err != nil {
+			errs = append(errs, field.Invalid(path, a.Namespaces.Selector, err.Error()))
 		}
 	}
 	return errs

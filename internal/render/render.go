@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -227,14 +228,7 @@ func PodLabels(p *v1alpha1.RateLimitPolicy) map[string]string {
 // to the 253 of an object name, is cut to leave room and followed by "-" and 8 hex digits of its
 // SHA-256, as cluster-api's util/labels/format does: valid, stable, and distinct for names that
 // share their first 54 characters.
-func LabelValue(name string) string {
-	if len(name) <= validation.LabelValueMaxLength {
-		return name
-	}
-	sum := sha256.Sum256([]byte(name))
-	suffix := "-" + hex.EncodeToString(sum[:4])
-	return name[:validation.LabelValueMaxLength-len(suffix)] + suffix
-}
+func LabelValue(name string) string { return report.LabelValue(name) }
 
 // PolicyOfPod is the name of the policy whose enforcer runs in pod, or "": from its annotation
 // when the name is too long for the instance label, else from the label.
@@ -286,72 +280,156 @@ func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
 		return nil, err
 	}
 	o := &Objects{Revision: report.Revision(config)}
-	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice"}
-	o.ServiceAccount, o.Role, o.RoleBinding = identity(p, name, labels)
-	o.ConfigMap = &corev1.ConfigMap{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
-		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: o.Revision}),
-		Data:       map[string]string{configKey: string(config)},
-	}
-	pod := enforcerPod(p, name)
-	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
-		redisName := RedisName(name)
-		pod.args = append(pod.args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, p.Namespace, RedisPort),
-			"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
-		pod.mount("redis-credentials", redisName, redisCredentialsDir, corev1.KeyToPath{Key: RedisPasswordKey, Path: RedisPasswordKey})
-		o.RedisDeployment, o.RedisService, o.RedisPDB = managedRedis(p, s.ManagedRedis, redisName, d)
-		if d.NetworkPolicy != nil {
-			o.RedisNetworkPolicy = redisNetworkPolicy(p, redisName, o.RedisDeployment)
-		}
-	}
 	rls := ServesRLS(p)
-	podLabels := PodLabels(p)
-	o.Deployment = enforcerDeployment(p, d, name, labels, o.Revision, pod, rls)
-	o.Service = &corev1.Service{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
-		ObjectMeta: meta(p, name, labels, nil),
-		Spec: corev1.ServiceSpec{
-			Selector: podLabels,
-			Ports:    servicePorts(rls),
+	w := &workload{
+		owner: policyOwner(p), name: name,
+		labels:    map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice"},
+		podLabels: PodLabels(p), podAnnotations: podAnnotations(p), replicas: Replicas(p), image: d.EnforcerImage,
+		resources: corev1.ResourceRequirements{
+			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
+			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
 		},
-	}
-	if d.NetworkPolicy != nil {
-		o.NetworkPolicy = enforcerNetworkPolicy(p, name, labels, rls, d.NetworkPolicy)
-	}
-	if Replicas(p) > 1 {
-		o.PDB = &policyv1.PodDisruptionBudget{
-			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
-			ObjectMeta: meta(p, name, labels, nil),
-			Spec: policyv1.PodDisruptionBudgetSpec{
-				MaxUnavailable: ptr.To(intstr.FromInt32(1)),
-				Selector:       &metav1.LabelSelector{MatchLabels: podLabels},
-			},
-		}
-	}
-	return o, nil
-}
-
-// identity is the enforcer's: it watches its ConfigMap through the API server and may read
-// nothing else.
-func identity(p *v1alpha1.RateLimitPolicy, name string, labels map[string]string) (*corev1.ServiceAccount, *rbacv1.Role, *rbacv1.RoleBinding) {
-	sa := &corev1.ServiceAccount{
-		TypeMeta:                     metav1.TypeMeta{APIVersion: "v1", Kind: "ServiceAccount"},
-		ObjectMeta:                   meta(p, name, labels, nil),
-		AutomountServiceAccountToken: ptr.To(false),
-	}
-	role := &rbacv1.Role{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "Role"},
-		ObjectMeta: meta(p, name, labels, nil),
-		Rules: []rbacv1.PolicyRule{{
+		ports: containerPorts(rls), servicePorts: servicePorts(rls), checkPorts: []int32{CheckPort}, proxy: true, revision: o.Revision, config: true,
+		// The enforcer watches its ConfigMap through the API server and may read nothing else.
+		rules: []rbacv1.PolicyRule{{
 			APIGroups: []string{""}, Resources: []string{"configmaps"}, ResourceNames: []string{name},
 			Verbs: []string{"get", "list", "watch"},
 		}},
 	}
+	if rls {
+		w.checkPorts = append(w.checkPorts, RLSPort)
+	}
+	if e := p.Spec.Enforcer; e != nil && e.Image != "" {
+		w.image = e.Image
+	}
+	if e := p.Spec.Enforcer; e != nil && e.Resources != nil {
+		w.resources = *e.Resources
+	}
+	o.ServiceAccount, o.Role, o.RoleBinding = w.identity()
+	o.ConfigMap = &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: w.owner.meta(name, w.labels, map[string]string{RevisionAnnotation: o.Revision}),
+		Data:       map[string]string{configKey: string(config)},
+	}
+	pod := enforcerPod(p, name)
+	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
+		o.RedisDeployment, o.RedisService, o.RedisPDB, o.RedisNetworkPolicy = w.managedRedis(pod, s.ManagedRedis, d,
+			map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)})
+	}
+	o.Deployment, o.Service, o.PDB, o.NetworkPolicy = w.enforcer(pod, d)
+	return o, nil
+}
+
+// owner is the object that controls rendered objects, in its namespace: a policy or a pool.
+type owner struct {
+	ref       metav1.OwnerReference
+	namespace string
+}
+
+func policyOwner(p *v1alpha1.RateLimitPolicy) owner {
+	return owner{namespace: p.Namespace, ref: metav1.OwnerReference{APIVersion: v1alpha1.GroupVersion.String(), Kind: "RateLimitPolicy",
+		Name: p.Name, UID: p.UID, Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true)}}
+}
+
+func poolOwner(p *v1alpha1.EnforcerPool) owner {
+	return owner{namespace: p.Namespace, ref: metav1.OwnerReference{APIVersion: v1alpha1.GroupVersion.String(), Kind: "EnforcerPool",
+		Name: p.Name, UID: p.UID, Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true)}}
+}
+
+// meta is the metadata of an object the owner controls, in its namespace.
+func (o owner) meta(name string, labels, annotations map[string]string) metav1.ObjectMeta {
+	return metav1.ObjectMeta{Name: name, Namespace: o.namespace, Labels: labels, Annotations: annotations,
+		OwnerReferences: []metav1.OwnerReference{o.ref}}
+}
+
+// workload is what an enforcer Deployment and its companions are made from: a policy's own
+// enforcer, or a pool's.
+type workload struct {
+	owner owner
+	// name names every object; labels label them.
+	name                              string
+	labels, podLabels, podAnnotations map[string]string
+	replicas                          int32
+	image                             string
+	resources                         corev1.ResourceRequirements
+	ports                             []corev1.ContainerPort
+	servicePorts                      []corev1.ServicePort
+	// checkPorts are the ports the NetworkPolicy admits from gateways.
+	checkPorts []int32
+	// proxy is whether the proxy port is served (a policy's own enforcer).
+	proxy bool
+	// revision annotates the Deployment; config mounts the ConfigMap named name.
+	revision string
+	config   bool
+	// rules are the Role's: what the enforcer may read from the API server.
+	rules []rbacv1.PolicyRule
+}
+
+// enforcer renders the Deployment, its Service, its budget (nil with one replica) and its
+// NetworkPolicy (nil when d asks for none).
+func (w *workload) enforcer(c *pod, d Defaults) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget, *networkingv1.NetworkPolicy) {
+	dep := w.deployment(c)
+	svc := &corev1.Service{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
+		ObjectMeta: w.owner.meta(w.name, w.labels, nil),
+		Spec: corev1.ServiceSpec{
+			Selector: w.podLabels,
+			Ports:    w.servicePorts,
+		},
+	}
+	var np *networkingv1.NetworkPolicy
+	if d.NetworkPolicy != nil {
+		np = w.networkPolicy(d.NetworkPolicy)
+	}
+	var pdb *policyv1.PodDisruptionBudget
+	if w.replicas > 1 {
+		pdb = &policyv1.PodDisruptionBudget{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+			ObjectMeta: w.owner.meta(w.name, w.labels, nil),
+			Spec: policyv1.PodDisruptionBudgetSpec{
+				MaxUnavailable: ptr.To(intstr.FromInt32(1)),
+				Selector:       &metav1.LabelSelector{MatchLabels: w.podLabels},
+			},
+		}
+	}
+	return dep, svc, pdb, np
+}
+
+// managedRedis renders a managed Redis for the workload's enforcers, with podLabels for its pod,
+// and points the enforcer pod at it.
+func (w *workload) managedRedis(c *pod, m *v1alpha1.ManagedRedis, d Defaults, podLabels map[string]string) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget, *networkingv1.NetworkPolicy) {
+	redisName := RedisName(w.name)
+	c.args = append(c.args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, w.owner.namespace, RedisPort),
+		"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
+	c.mount("redis-credentials", redisName, redisCredentialsDir, corev1.KeyToPath{Key: RedisPasswordKey, Path: RedisPasswordKey})
+	labels := map[string]string{labelManagedBy: "sluice", labelComponent: "redis"}
+	maps.Copy(labels, podLabels)
+	dep, svc, pdb := managedRedis(w.owner, m, redisName, d, labels, podLabels)
+	var np *networkingv1.NetworkPolicy
+	if d.NetworkPolicy != nil {
+		np = redisNetworkPolicy(w.owner, redisName, dep, w.podLabels)
+	}
+	return dep, svc, pdb, np
+}
+
+// identity is the enforcer's: it may read from the API server what its Role's rules say, and
+// nothing else.
+func (w *workload) identity() (*corev1.ServiceAccount, *rbacv1.Role, *rbacv1.RoleBinding) {
+	sa := &corev1.ServiceAccount{
+		TypeMeta:                     metav1.TypeMeta{APIVersion: "v1", Kind: "ServiceAccount"},
+		ObjectMeta:                   w.owner.meta(w.name, w.labels, nil),
+		AutomountServiceAccountToken: ptr.To(false),
+	}
+	role := &rbacv1.Role{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "Role"},
+		ObjectMeta: w.owner.meta(w.name, w.labels, nil),
+		Rules:      w.rules,
+	}
 	binding := &rbacv1.RoleBinding{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "RoleBinding"},
-		ObjectMeta: meta(p, name, labels, nil),
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name},
-		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: p.Namespace, Name: name}},
+		ObjectMeta: w.owner.meta(w.name, w.labels, nil),
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: w.name},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: w.owner.namespace, Name: w.name}},
 	}
 	return sa, role, binding
 }
@@ -445,42 +523,43 @@ func (c *pod) redis(r *v1alpha1.RedisStorage) {
 	}
 }
 
-// redisNetworkPolicy admits the policy's enforcer pods alone to its managed Redis.
-func redisNetworkPolicy(p *v1alpha1.RateLimitPolicy, redisName string, redis *appsv1.Deployment) *networkingv1.NetworkPolicy {
+// redisNetworkPolicy admits the enforcer pods alone to their managed Redis.
+func redisNetworkPolicy(o owner, redisName string, redis *appsv1.Deployment, enforcerPods map[string]string) *networkingv1.NetworkPolicy {
 	return &networkingv1.NetworkPolicy{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
-		ObjectMeta: meta(p, redisName, redis.Labels, nil),
+		ObjectMeta: o.meta(redisName, redis.Labels, nil),
 		Spec: networkingv1.NetworkPolicySpec{
 			PodSelector: *redis.Spec.Selector.DeepCopy(),
 			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
 			Ingress: []networkingv1.NetworkPolicyIngressRule{{
 				Ports: tcpPorts(RedisPort),
-				From:  []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: PodLabels(p)}}},
+				From:  []networkingv1.NetworkPolicyPeer{{PodSelector: &metav1.LabelSelector{MatchLabels: enforcerPods}}},
 			}},
 		},
 	}
 }
 
-// enforcerDeployment runs the enforcer pods: rolled one extra pod at a time, never one fewer,
-// spread over nodes.
-func enforcerDeployment(p *v1alpha1.RateLimitPolicy, d Defaults, name string, labels map[string]string, revision string, c *pod, rls bool) *appsv1.Deployment {
-	image := d.EnforcerImage
-	if e := p.Spec.Enforcer; e != nil && e.Image != "" {
-		image = e.Image
+// deployment runs the enforcer pods: rolled one extra pod at a time, never one fewer, spread
+// over nodes.
+func (w *workload) deployment(c *pod) *appsv1.Deployment {
+	podLabels, name := w.podLabels, w.name
+	var annotations map[string]string
+	if w.revision != "" {
+		annotations = map[string]string{RevisionAnnotation: w.revision}
 	}
-	resources := corev1.ResourceRequirements{
-		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
-		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
+	mounts, volumes := c.mounts, c.volumes
+	if w.config {
+		mounts = append([]corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}, mounts...)
+		volumes = append([]corev1.Volume{{
+			Name:         "config",
+			VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{LocalObjectReference: corev1.LocalObjectReference{Name: name}}},
+		}}, volumes...)
 	}
-	if e := p.Spec.Enforcer; e != nil && e.Resources != nil {
-		resources = *e.Resources
-	}
-	podLabels := PodLabels(p)
 	return &appsv1.Deployment{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
-		ObjectMeta: meta(p, name, labels, map[string]string{RevisionAnnotation: revision}),
+		ObjectMeta: w.owner.meta(name, w.labels, annotations),
 		Spec: appsv1.DeploymentSpec{
-			Replicas: ptr.To(Replicas(p)),
+			Replicas: ptr.To(w.replicas),
 			Selector: &metav1.LabelSelector{MatchLabels: podLabels},
 			Strategy: appsv1.DeploymentStrategy{
 				Type: appsv1.RollingUpdateDeploymentStrategyType,
@@ -492,9 +571,9 @@ func enforcerDeployment(p *v1alpha1.RateLimitPolicy, d Defaults, name string, la
 			Template: corev1.PodTemplateSpec{
 				// The config revision is not in the template: the running pods take a changed
 				// policy from their ConfigMap, watched through the API server, without a rollout.
-				ObjectMeta: metav1.ObjectMeta{Labels: podLabels, Annotations: podAnnotations(p)},
+				ObjectMeta: metav1.ObjectMeta{Labels: podLabels, Annotations: w.podAnnotations},
 				Spec: corev1.PodSpec{
-					// The token lets the enforcer watch its ConfigMap, all its Role allows.
+					// The token lets the enforcer watch its ConfigMaps, all its Role allows.
 					ServiceAccountName:            name,
 					AutomountServiceAccountToken:  ptr.To(true),
 					TerminationGracePeriodSeconds: ptr.To(int64(gracePeriod() / time.Second)),
@@ -507,19 +586,16 @@ func enforcerDeployment(p *v1alpha1.RateLimitPolicy, d Defaults, name string, la
 					}},
 					Containers: []corev1.Container{{
 						Name:            "enforcer",
-						Image:           image,
+						Image:           w.image,
 						Args:            c.args,
-						Ports:           containerPorts(rls),
+						Ports:           w.ports,
 						ReadinessProbe:  probe("/readyz", 5),
 						LivenessProbe:   probe("/healthz", 10),
-						Resources:       resources,
+						Resources:       w.resources,
 						SecurityContext: restrictedContainer(),
-						VolumeMounts:    append([]corev1.VolumeMount{{Name: "config", MountPath: configDir, ReadOnly: true}}, c.mounts...),
+						VolumeMounts:    mounts,
 					}},
-					Volumes: append([]corev1.Volume{{
-						Name:         "config",
-						VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{LocalObjectReference: corev1.LocalObjectReference{Name: name}}},
-					}}, c.volumes...),
+					Volumes: volumes,
 				},
 			},
 		},
@@ -530,25 +606,24 @@ func enforcerDeployment(p *v1alpha1.RateLimitPolicy, d Defaults, name string, la
 // NetworkPolicies select namespaces by.
 const NamespaceNameLabel = "kubernetes.io/metadata.name"
 
-// enforcerNetworkPolicy admits, to the enforcer pods: the proxy port from ProxyNamespaces, or
-// from anywhere when it lists none; the check and RLS ports from the policy's namespace and
-// CheckNamespaces; the admin port (reports, keys, metrics, pprof) from the manager's namespace
-// and MonitoringNamespaces. Egress is not restricted. Kubelet probes come from the node, which
-// NetworkPolicies always admit.
-func enforcerNetworkPolicy(p *v1alpha1.RateLimitPolicy, name string, labels map[string]string, rls bool, d *NetworkPolicyDefaults) *networkingv1.NetworkPolicy {
-	proxy := networkingv1.NetworkPolicyIngressRule{Ports: tcpPorts(ProxyPort)}
-	if len(d.ProxyNamespaces) > 0 {
-		proxy.From = namespacePeers(d.ProxyNamespaces)
+// networkPolicy admits, to the enforcer pods: the proxy port, where served, from
+// ProxyNamespaces, or from anywhere when it lists none; the check and RLS ports from the owner's
+// namespace and CheckNamespaces; the admin port (reports, keys, metrics, pprof) from the
+// manager's namespace and MonitoringNamespaces. Egress is not restricted. Kubelet probes come
+// from the node, which NetworkPolicies always admit.
+func (w *workload) networkPolicy(d *NetworkPolicyDefaults) *networkingv1.NetworkPolicy {
+	var rules []networkingv1.NetworkPolicyIngressRule
+	if w.proxy {
+		proxy := networkingv1.NetworkPolicyIngressRule{Ports: tcpPorts(ProxyPort)}
+		if len(d.ProxyNamespaces) > 0 {
+			proxy.From = namespacePeers(d.ProxyNamespaces)
+		}
+		rules = append(rules, proxy)
 	}
-	checkPorts := []int32{CheckPort}
-	if rls {
-		checkPorts = append(checkPorts, RLSPort)
-	}
-	check := networkingv1.NetworkPolicyIngressRule{
-		Ports: tcpPorts(checkPorts...),
-		From:  namespacePeers(append([]string{p.Namespace}, d.CheckNamespaces...)),
-	}
-	rules := []networkingv1.NetworkPolicyIngressRule{proxy, check}
+	rules = append(rules, networkingv1.NetworkPolicyIngressRule{
+		Ports: tcpPorts(w.checkPorts...),
+		From:  namespacePeers(append([]string{w.owner.namespace}, d.CheckNamespaces...)),
+	})
 	var admin []string
 	if d.ManagerNamespace != "" {
 		admin = append(admin, d.ManagerNamespace)
@@ -558,9 +633,9 @@ func enforcerNetworkPolicy(p *v1alpha1.RateLimitPolicy, name string, labels map[
 	}
 	return &networkingv1.NetworkPolicy{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
-		ObjectMeta: meta(p, name, labels, nil),
+		ObjectMeta: w.owner.meta(w.name, w.labels, nil),
 		Spec: networkingv1.NetworkPolicySpec{
-			PodSelector: metav1.LabelSelector{MatchLabels: PodLabels(p)},
+			PodSelector: metav1.LabelSelector{MatchLabels: w.podLabels},
 			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
 			Ingress:     rules,
 		},
@@ -647,7 +722,7 @@ func Bypass(p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*networkingv1.
 	labels := map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "bypass-protection"}
 	return &networkingv1.NetworkPolicy{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "networking.k8s.io/v1", Kind: "NetworkPolicy"},
-		ObjectMeta: meta(p, BypassName(name), labels, nil),
+		ObjectMeta: policyOwner(p).meta(BypassName(name), labels, nil),
 		Spec: networkingv1.NetworkPolicySpec{
 			PodSelector: metav1.LabelSelector{MatchLabels: target.Spec.Selector},
 			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
@@ -746,15 +821,21 @@ var RedisReadinessCommand = []string{"sh", "-c",
 // WithRedisPassword completes the managed Redis of o with its Secret, holding password, and the
 // digest of password on the Redis pod template. Rendering stays pure: the controller generates
 // the password once and passes the one it finds from then on.
-func WithRedisPassword(o *Objects, p *v1alpha1.RateLimitPolicy, password string) {
+func WithRedisPassword(o *Objects, _ *v1alpha1.RateLimitPolicy, password string) {
 	if o.RedisDeployment == nil {
 		return
 	}
-	name := o.RedisDeployment.Name
-	o.RedisSecret = &corev1.Secret{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
-		ObjectMeta: meta(p, name, o.RedisDeployment.Labels, nil),
-		Type:       corev1.SecretTypeOpaque,
+	o.RedisSecret, o.RedisDeployment.Spec.Template.Annotations = redisSecret(o.RedisDeployment, password)
+}
+
+// redisSecret is a managed Redis's Secret, holding password, and the annotations of its pod
+// template: a digest of the password, so that a new one restarts Redis with it.
+func redisSecret(redis *appsv1.Deployment, password string) (*corev1.Secret, map[string]string) {
+	secret := &corev1.Secret{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
+		ObjectMeta: metav1.ObjectMeta{Name: redis.Name, Namespace: redis.Namespace, Labels: redis.Labels,
+			OwnerReferences: redis.OwnerReferences},
+		Type: corev1.SecretTypeOpaque,
 		Data: map[string][]byte{
 			RedisPasswordKey: []byte(password),
 			// Quoted as Redis's config parser reads strings, so any password the Secret is given
@@ -763,7 +844,7 @@ func WithRedisPassword(o *Objects, p *v1alpha1.RateLimitPolicy, password string)
 		},
 	}
 	sum := sha256.Sum256([]byte(password))
-	o.RedisDeployment.Spec.Template.Annotations = map[string]string{RedisPasswordAnnotation: hex.EncodeToString(sum[:8])}
+	return secret, map[string]string{RedisPasswordAnnotation: hex.EncodeToString(sum[:8])}
 }
 
 // RedisSecretLabels are the labels of every managed Redis's objects, its Secret among them: the
@@ -775,9 +856,7 @@ var RedisSecretLabels = map[string]string{labelName: "sluice-redis", labelManage
 // TTL, which are the ones closest to idle. It asks for a password from its Secret (see
 // WithRedisPassword), is ready when it answers an authenticated PING, and a disruption budget
 // keeps a drain from evicting it: with one replica, that waits for someone to delete the pod.
-func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name string, d Defaults) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget) {
-	labels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice", labelComponent: "redis"}
-	podLabels := map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)}
+func managedRedis(o owner, m *v1alpha1.ManagedRedis, name string, d Defaults, labels, podLabels map[string]string) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget) {
 	image := d.RedisImage
 	if m.Image != "" {
 		image = m.Image
@@ -794,7 +873,7 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 	}
 	dep := &appsv1.Deployment{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},
-		ObjectMeta: meta(p, name, labels, nil),
+		ObjectMeta: o.meta(name, labels, nil),
 		Spec: appsv1.DeploymentSpec{
 			Replicas: ptr.To[int32](1),
 			Selector: &metav1.LabelSelector{MatchLabels: podLabels},
@@ -829,7 +908,7 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 	}
 	svc := &corev1.Service{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Service"},
-		ObjectMeta: meta(p, name, labels, nil),
+		ObjectMeta: o.meta(name, labels, nil),
 		Spec: corev1.ServiceSpec{
 			Selector: podLabels,
 			Ports:    []corev1.ServicePort{{Name: "redis", Port: RedisPort, TargetPort: intstr.FromString("redis"), Protocol: corev1.ProtocolTCP}},
@@ -837,30 +916,13 @@ func managedRedis(p *v1alpha1.RateLimitPolicy, m *v1alpha1.ManagedRedis, name st
 	}
 	pdb := &policyv1.PodDisruptionBudget{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
-		ObjectMeta: meta(p, name, labels, nil),
+		ObjectMeta: o.meta(name, labels, nil),
 		Spec: policyv1.PodDisruptionBudgetSpec{
 			MinAvailable: ptr.To(intstr.FromInt32(1)),
 			Selector:     &metav1.LabelSelector{MatchLabels: podLabels},
 		},
 	}
 	return dep, svc, pdb
-}
-
-func meta(p *v1alpha1.RateLimitPolicy, name string, labels, annotations map[string]string) metav1.ObjectMeta {
-	return metav1.ObjectMeta{
-		Name:        name,
-		Namespace:   p.Namespace,
-		Labels:      labels,
-		Annotations: annotations,
-		OwnerReferences: []metav1.OwnerReference{{
-			APIVersion:         v1alpha1.GroupVersion.String(),
-			Kind:               "RateLimitPolicy",
-			Name:               p.Name,
-			UID:                p.UID,
-			Controller:         ptr.To(true),
-			BlockOwnerDeletion: ptr.To(true),
-		}},
-	}
 }
 
 func probe(path string, period int32) *corev1.Probe {

@@ -33,6 +33,35 @@ type Report struct {
 	Store        Store  `json:"store"`
 	// Rules are the rules of the served config, in order, with their counters.
 	Rules []Rule `json:"rules"`
+
+	// Pool is, for a replica of an EnforcerPool, the pool's "<namespace>/<name>"; Revision is
+	// then empty, and Policies and Refused say what it serves, policy by policy.
+	Pool string `json:"pool,omitempty"`
+	// Synced is, in a pool, true once the replica has loaded every policy the API server held
+	// when it started watching.
+	Synced bool `json:"synced,omitempty"`
+	// Policies are, in a pool, the policies the replica serves, by ID, each with the revision
+	// of its config (see Revision) and since when.
+	Policies []PolicyServed `json:"policies,omitempty"`
+	// Refused are, in a pool, the configs the replica was given and refused, by ID: a policy
+	// refused at its latest revision while it serves an earlier one is in both lists.
+	Refused []PolicyRefused `json:"refused,omitempty"`
+}
+
+// PolicyServed is a policy a pool replica serves.
+type PolicyServed struct {
+	// Policy is the policy's "<namespace>/<name>".
+	Policy   string    `json:"policy"`
+	Revision string    `json:"revision"`
+	Since    time.Time `json:"since"`
+}
+
+// PolicyRefused is a policy config a pool replica refused, and why.
+type PolicyRefused struct {
+	// Policy is the policy's "<namespace>/<name>", as its ConfigMap names it.
+	Policy   string `json:"policy"`
+	Revision string `json:"revision"`
+	Reason   string `json:"reason"`
 }
 
 // Config sources.
@@ -128,4 +157,28 @@ func StoreKind(redis bool, mode v1alpha1.RedisMode) string {
 		mode = v1alpha1.RedisStandalone
 	}
 	return "redis-" + strings.ToLower(string(mode))
+}
+
+// The contract of a pool's config: the manager writes one ConfigMap per policy into the pool's
+// namespace, labelled PoolLabel with PoolLabelValue of the pool's name and annotated
+// PolicyAnnotation with the policy's "<namespace>/<name>", its policy file under PolicyFileKey;
+// the pool's enforcers watch the ConfigMaps of their namespace with that label.
+const (
+	PoolLabel        = "ratelimit.sluice.dev/pool"
+	PolicyAnnotation = "ratelimit.sluice.dev/policy"
+	PolicyFileKey    = "policy.yaml"
+)
+
+// LabelValue is name if it fits a label value, which holds at most 63 characters. A longer
+// name, up to the 253 of an object name, is cut to leave room and followed by "-" and 8 hex
+// digits of its SHA-256, as cluster-api's util/labels/format does: valid, stable, and distinct
+// for names that share their first 54 characters.
+func LabelValue(name string) string {
+	const most = 63
+	if len(name) <= most {
+		return name
+	}
+	sum := sha256.Sum256([]byte(name))
+	suffix := "-" + hex.EncodeToString(sum[:4])
+	return name[:most-len(suffix)] + suffix
 }

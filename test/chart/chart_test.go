@@ -145,6 +145,8 @@ var valueSets = map[string][]string{
 		"--set", "manager.replicas=2,manager.logLevel=debug", "--set-json", "prometheusRule.refusedShareThreshold=0.25",
 		"--set-json", `manager.nodeSelector={"kubernetes.io/os":"linux"}`,
 		"--set-json", `webhook.certManager.issuerRef={"kind":"ClusterIssuer","name":"corp-ca"}`},
+	"pool": {"--set", "defaultPool.enabled=true,defaultPool.allowedPolicies.from=Selector", "--set-json",
+		`defaultPool.allowedPolicies.selector={"matchLabels":{"sluice-pool":"default"}}`, "--set-json", `defaultPool.storage={"redis":{"addresses":["redis:6379"]}}`},
 }
 
 // runHelm runs helm with args and returns its stdout, or its stderr as the error.
@@ -219,8 +221,23 @@ func TestChartWhenRenderedThenTheAPIServerAcceptsEveryObject(t *testing.T) {
 				t.Fatal(err)
 			}
 			kinds := map[string]int{}
-			for _, u := range decode(t, []byte(out)) {
+			objs := decode(t, []byte(out))
+			// The CRDs for real, as Helm installs them before what they define, and gone again
+			// after, for the installs of the tests below, which Helm would not let adopt them.
+			t.Cleanup(func() { removeCRDs(t) })
+			for _, u := range objs {
+				if u.GetKind() == "CustomResourceDefinition" {
+					if err := k8s.Patch(ctx, u.DeepCopy(), client.Apply, client.FieldOwner("chart-test"), client.ForceOwnership); err != nil { //nolint:staticcheck // unstructured apply
+						t.Fatalf("CRD %s: %v", u.GetName(), err)
+					}
+					waitEstablishedNamed(t, u.GetName(), &apiextensionsv1.CustomResourceDefinition{})
+				}
+			}
+			for _, u := range objs {
 				kinds[u.GetKind()]++
+				if storage, _, _ := unstructured.NestedMap(u.Object, "spec", "storage"); u.GetKind() == "EnforcerPool" && !jsonEqual(storage, map[string]any{"redis": map[string]any{"addresses": []any{"redis:6379"}}}) {
+					t.Errorf("the pool's storage %v, want the values' redis alone", storage)
+				}
 				if u.GetNamespace() == "" && u.GetKind() != "CustomResourceDefinition" && u.GetKind() != "ClusterRole" &&
 					u.GetKind() != "ClusterRoleBinding" && u.GetKind() != "ValidatingWebhookConfiguration" {
 					t.Errorf("%s %s has no namespace", u.GetKind(), u.GetName())
@@ -229,10 +246,13 @@ func TestChartWhenRenderedThenTheAPIServerAcceptsEveryObject(t *testing.T) {
 					t.Errorf("%s %s: %v", u.GetKind(), u.GetName(), err)
 				}
 			}
-			// ClusterRoles: the manager's, and the users' editor and viewer.
-			want := map[string]int{"CustomResourceDefinition": 1, "Deployment": 1, "ClusterRole": 3, "Role": 2, "ValidatingWebhookConfiguration": 1}
-			if name != "defaults" {
+			// ClusterRoles: the manager's, and the users' editor and viewer of policies and of pools.
+			want := map[string]int{"CustomResourceDefinition": 2, "Deployment": 1, "ClusterRole": 5, "Role": 2, "ValidatingWebhookConfiguration": 1}
+			if name != "defaults" && name != "pool" {
 				want["Certificate"] = 1
+			}
+			if name == "pool" {
+				want["EnforcerPool"] = 1
 			}
 			if name == "everything" {
 				want["ServiceMonitor"], want["PodMonitor"], want["PrometheusRule"], want["ConfigMap"] = 1, 1, 1, 1
@@ -266,6 +286,10 @@ func TestChartWhenAValueIsWrongThenHelmRefusesItNamingTheValue(t *testing.T) {
 		{[]string{"--set", "enforcer.networkPolicy.checkNamespaces={Traefik}"}, "/enforcer/networkPolicy/checkNamespaces/0"},
 		{[]string{"--set", "enforcer.networkPolicy.monitoringNamespaces={" + strings.Repeat("a", 64) + "}"}, "/enforcer/networkPolicy/monitoringNamespaces/0"},
 		{[]string{"--set", "enforcer.networkPolicy.proxyNamespaces={edge,edge}"}, "/enforcer/networkPolicy/proxyNamespaces"},
+		{[]string{"--set", "defaultPool.replicas=0"}, "/defaultPool/replicas"},
+		{[]string{"--set", "defaultPool.allowedPolicies.from=Any"}, "/defaultPool/allowedPolicies/from"},
+		{[]string{"--set", "defaultPool.name=Default_Pool"}, "/defaultPool/name"},
+		{[]string{"--set-json", `defaultPool.storage={"memory":{},"redis":{}}`}, "/defaultPool/storage"},
 	} {
 		_, err := runHelm(append([]string{"template", "sluice", "charts/sluice"}, c.values...)...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
@@ -413,6 +437,7 @@ func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *te
 	const release, ns = "sluice", "sluice-helm"
 	// README's install and upgrade commands, in a namespace of the test's own.
 	const managerImage, enforcerImage = "ghcr.io/sluice-dev/sluice-manager:v0.1.0", "registry.example/sluice-enforcer:v0.1.0"
+	removeCRDs(t)
 	installed, err := runHelm("install", release, "charts/sluice", "--namespace", ns, "--create-namespace",
 		"--set", "manager.image.tag=v0.1.0", "--set", "enforcer.image="+enforcerImage)
 	if err != nil {
@@ -573,8 +598,13 @@ func kubectl(args []string, extra ...string) (string, error) {
 
 func waitEstablished(t *testing.T, crd *apiextensionsv1.CustomResourceDefinition) {
 	t.Helper()
+	waitEstablishedNamed(t, "ratelimitpolicies.ratelimit.sluice.dev", crd)
+}
+
+func waitEstablishedNamed(t *testing.T, name string, crd *apiextensionsv1.CustomResourceDefinition) {
+	t.Helper()
 	poll.WaitFor(t, 30*time.Second, func() error {
-		if err := k8s.Get(context.Background(), client.ObjectKey{Name: "ratelimitpolicies.ratelimit.sluice.dev"}, crd); err != nil {
+		if err := k8s.Get(context.Background(), client.ObjectKey{Name: name}, crd); err != nil {
 			return err
 		}
 		for _, c := range crd.Status.Conditions {
@@ -582,7 +612,7 @@ func waitEstablished(t *testing.T, crd *apiextensionsv1.CustomResourceDefinition
 				return nil
 			}
 		}
-		return fmt.Errorf("the CRD is not established: %+v", crd.Status.Conditions)
+		return fmt.Errorf("the CRD %s is not established: %+v", name, crd.Status.Conditions)
 	})
 }
 
@@ -634,4 +664,68 @@ func TestChartAndConfigWhenRenderedByDefaultThenTheManagerIsHighlyAvailable(t *t
 	if _, ok := byKindName(render(t, "--set", "manager.replicas=1"))["PodDisruptionBudget/sluice-manager"]; ok {
 		t.Error("with one replica the chart renders a budget that would block every drain")
 	}
+}
+
+// With defaultPool.enabled, a real helm install creates the pool after the CRD (a hook after
+// install), the API server accepts it, an upgrade changes it in place (the same object: its
+// policies' configs, which it controls, stay), and an uninstall leaves it, as it leaves policies.
+func TestChartWhenADefaultPoolIsEnabledThenInstallCreatesItAndUpgradeChangesItInPlace(t *testing.T) {
+	tier.Needs(t, "helm and the test control plane")
+	ctx := context.Background()
+	const release, ns = "sluice-pool", "sluice-pool-helm"
+	removeCRDs(t)
+	installed, err := runHelm("install", release, "charts/sluice", "--namespace", ns, "--create-namespace", "--set", "defaultPool.enabled=true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "the EnforcerPool default serves every policy\n   that joins it with spec.enforcer.poolRef {name: default, namespace: " + ns + "}"; !strings.Contains(installed, want) ||
+		!strings.Contains(installed, "Service sluice-pool-default in "+ns) {
+		t.Errorf("the NOTES do not say how to join and reach the default pool:\n%s", installed)
+	}
+	pool := &v1alpha1.EnforcerPool{}
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "default"}, pool); err != nil {
+		t.Fatalf("the default pool after install: %v", err)
+	}
+	if pool.Spec.Replicas == nil || *pool.Spec.Replicas != 2 || pool.Spec.Storage == nil || pool.Spec.Storage.ManagedRedis == nil ||
+		pool.Spec.AllowedPolicies.Namespaces.From != v1alpha1.NamespacesFromAll {
+		t.Errorf("the default pool's spec %+v, want the values' defaults", pool.Spec)
+	}
+	if _, err := runHelm("upgrade", release, "charts/sluice", "--namespace", ns, "--reuse-values", "--set", "defaultPool.replicas=3"); err != nil {
+		t.Fatal(err)
+	}
+	after := &v1alpha1.EnforcerPool{}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), after); err != nil {
+		t.Fatal(err)
+	}
+	if after.UID != pool.UID || after.Spec.Replicas == nil || *after.Spec.Replicas != 3 {
+		t.Errorf("after the upgrade: uid %s (was %s), replicas %v; want the same pool with 3", after.UID, pool.UID, after.Spec.Replicas)
+	}
+	if _, err := runHelm("uninstall", release, "--namespace", ns); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(pool), after); err != nil || after.DeletionTimestamp != nil || after.UID != pool.UID {
+		t.Errorf("the default pool after uninstall: %v, want kept", err)
+	}
+}
+
+// removeCRDs deletes Sluice's CRDs, and with them every policy and pool, and waits until they
+// are gone.
+func removeCRDs(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	names := []string{"ratelimitpolicies.ratelimit.sluice.dev", "enforcerpools.ratelimit.sluice.dev"}
+	for _, name := range names {
+		crd := &apiextensionsv1.CustomResourceDefinition{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if err := k8s.Delete(ctx, crd); err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+	}
+	poll.WaitFor(t, 30*time.Second, func() error {
+		for _, name := range names {
+			if err := k8s.Get(ctx, client.ObjectKey{Name: name}, &apiextensionsv1.CustomResourceDefinition{}); !apierrors.IsNotFound(err) {
+				return fmt.Errorf("the CRD %s is not gone: %w", name, err)
+			}
+		}
+		return nil
+	})
 }

@@ -62,8 +62,8 @@ func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t
 		}
 		installed++
 	}
-	if installed != 2 {
-		t.Fatalf("config/default has %d ClusterRoles that aggregate into the built-in roles, want 2 (editor, viewer)", installed)
+	if installed != 4 {
+		t.Fatalf("config/default has %d ClusterRoles that aggregate into the built-in roles, want 4 (editor and viewer of policies and of pools)", installed)
 	}
 
 	for _, name := range []string{"team-a", "team-b"} {
@@ -139,6 +139,15 @@ func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t
 			allowed(t, "delete", c.Delete(ctx, p))
 			forbidden(t, "create in team-b", c.Create(ctx, policy("team-b", "by-"+user)))
 			forbidden(t, "list in team-b", c.List(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace("team-b")))
+
+			pool := &v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: "team-a", Name: "pool-by-" + user}}
+			allowed(t, "create a pool", c.Create(ctx, pool))
+			pool.Spec.Image = "example.com/enforcer:2"
+			allowed(t, "update a pool", c.Update(ctx, pool))
+			pool.Status.Ready = "9/9"
+			forbidden(t, "update a pool's status (the manager's to write)", c.Status().Update(ctx, pool))
+			allowed(t, "delete a pool", c.Delete(ctx, pool))
+			forbidden(t, "create a pool in team-b", c.Create(ctx, &v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: "team-b", Name: "pool-by-" + user}}))
 		})
 	}
 
@@ -165,6 +174,15 @@ func TestRolesWhenANamespaceEditorAndViewerActThenTheBuiltInRolesGrantPolicies(t
 		forbidden(t, "update", c.Update(ctx, p))
 		forbidden(t, "delete", c.Delete(ctx, existing))
 		forbidden(t, "get in team-b", c.Get(ctx, client.ObjectKey{Namespace: "team-b", Name: "existing"}, p))
+
+		pool := &v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: "team-a", Name: "existing"}}
+		if err := admin.Create(ctx, pool); err != nil {
+			t.Fatal(err)
+		}
+		allowed(t, "get a pool", c.Get(ctx, client.ObjectKeyFromObject(pool), pool))
+		allowed(t, "list pools", c.List(ctx, &v1alpha1.EnforcerPoolList{}, client.InNamespace("team-a")))
+		forbidden(t, "create a pool", c.Create(ctx, &v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: "team-a", Name: "by-joe"}}))
+		forbidden(t, "delete a pool", c.Delete(ctx, pool))
 	})
 }
 

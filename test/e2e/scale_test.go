@@ -89,7 +89,7 @@ func idlePolicies(t *testing.T, running, pending int, d time.Duration) {
 		return nil
 	})
 	t.Logf("%d Programmed and the %d running Ready %v after the first create", total, running, time.Since(created).Round(time.Second))
-	quietFor(t, k8s, 30*time.Second, 5*time.Minute)
+	quietFor(t, k8s, 5*time.Minute)
 	t.Logf("settled %v after the first create", time.Since(created).Round(time.Second))
 
 	const reconciles, applies, reads = `controller_runtime_reconcile_total{controller="ratelimitpolicy"`, "sluice_manager_applies_total{",
@@ -173,7 +173,7 @@ func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 
 // watched are the kinds the manager writes, counted by countWrites: every kind render.Objects
 // holds, and the policies' status.
-var watched = []client.ObjectList{&v1alpha1.RateLimitPolicyList{}, &corev1.ConfigMapList{}, &corev1.ServiceList{}, &appsv1.DeploymentList{},
+var watched = []client.ObjectList{&v1alpha1.RateLimitPolicyList{}, &v1alpha1.EnforcerPoolList{}, &corev1.ConfigMapList{}, &corev1.ServiceList{}, &appsv1.DeploymentList{},
 	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}, &networkingv1.NetworkPolicyList{},
 	&policyv1.PodDisruptionBudgetList{}, &corev1.SecretList{}}
 
@@ -221,9 +221,10 @@ func countWrites(t testing.TB, k8s client.WithWatch, d time.Duration) map[string
 	return writes
 }
 
-// quietFor waits until no policy is written for quiet, at most within timeout.
-func quietFor(t testing.TB, k8s client.WithWatch, quiet, timeout time.Duration) {
+// quietFor waits until no policy is written for 30 s, at most within timeout.
+func quietFor(t testing.TB, k8s client.WithWatch, timeout time.Duration) {
 	t.Helper()
+	const quiet = 30 * time.Second
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
 		var list v1alpha1.RateLimitPolicyList
@@ -378,7 +379,7 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 			toProgrammed = max(toProgrammed, meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionProgrammed).LastTransitionTime.Sub(created))
 			toReady = max(toReady, meta.FindStatusCondition(pol.Status.Conditions, v1alpha1.ConditionReady).LastTransitionTime.Sub(created))
 		}
-		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		quietFor(b, k8s, 10*time.Minute)
 		cpuBefore, _ := mgr.Usage()
 		profile("steady.pprof", "/debug/pprof/profile?seconds=55")
 		writes := countWrites(b, k8s, time.Minute)
@@ -475,7 +476,7 @@ func BenchmarkManagerMemory(b *testing.B) {
 		populate(b, k8s, ns, n)
 		poll.WaitFor(b, 30*time.Minute, func() error { return allProgrammed(k8s, ns, n) })
 		programmed := time.Since(start)
-		quietFor(b, k8s, 30*time.Second, 10*time.Minute)
+		quietFor(b, k8s, 10*time.Minute)
 		heap := scrapeSum(b, metricsAddr, "go_memstats_heap_inuse_bytes")
 		_, peak := mgr.Usage()
 		b.ReportMetric(programmed.Seconds(), "s-to-all-programmed")

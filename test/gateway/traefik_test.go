@@ -40,6 +40,7 @@ import (
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/controllers"
+	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/test/local"
 	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
@@ -163,6 +164,38 @@ spec:
         - type: ExtensionRef
           extensionRef: {group: traefik.io, kind: Middleware, name: sluice}
       backendRefs: [{name: public-api, port: 8080}]
+---
+apiVersion: traefik.io/v1alpha1
+kind: Middleware
+metadata: {name: sluice-pool, namespace: {{ns}}}
+spec:
+  forwardAuth:
+    address: {{pool}}/policies/{{ns}}/pooled-api/forward-auth
+    authResponseHeaders: [RateLimit-Policy, RateLimit, Retry-After]
+---
+apiVersion: traefik.io/v1alpha1
+kind: Middleware
+metadata: {name: sluice-pool-typo, namespace: {{ns}}}
+spec:
+  forwardAuth:
+    address: {{pool}}/policies/{{ns}}/pooled-apj/forward-auth
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: public-api-pool, namespace: {{ns}}}
+spec:
+  parentRefs: [{name: web}]
+  rules:
+    - matches: [{path: {type: PathPrefix, value: /pooled}}]
+      filters:
+        - type: ExtensionRef
+          extensionRef: {group: traefik.io, kind: Middleware, name: sluice-pool}
+      backendRefs: [{name: public-api, port: 8080}]
+    - matches: [{path: {type: PathPrefix, value: /typo}}]
+      filters:
+        - type: ExtensionRef
+          extensionRef: {group: traefik.io, kind: Middleware, name: sluice-pool-typo}
+      backendRefs: [{name: public-api, port: 8080}]
 `
 
 func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t *testing.T) {
@@ -245,8 +278,27 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 			Storage: &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redis.Addr())}}},
 		},
 	}
-	if err := k8s.Create(ctx, policy); err != nil {
-		t.Fatal(err)
+	// A pool of two enforcers beside the policy's own, and a policy that joins it: Traefik asks
+	// the pool's check API for it by path.
+	pool := &v1alpha1.EnforcerPool{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "shared"},
+		Spec: v1alpha1.EnforcerPoolSpec{Replicas: ptr.To[int32](2),
+			Storage: &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redis.Addr())}}}},
+	}
+	pooledPolicy := &v1alpha1.RateLimitPolicy{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "pooled-api"},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			TargetRef: v1alpha1.TargetRef{Name: "pooled-api", Port: 8080},
+			Rules:     []v1alpha1.Rule{{Name: "pooled", Match: prefix("/pooled"), Key: byClient, FixedWindow: &v1alpha1.Window{Limit: 2, Window: "1h"}}},
+			Enforcer:  &v1alpha1.EnforcerSpec{PoolRef: &v1alpha1.PoolRef{Name: "shared"}},
+		},
+	}
+	pooledService := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns.Name, Name: "pooled-api"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 8080, TargetPort: intstr.FromInt32(up.port)}}}}
+	for _, o := range []client.Object{policy, pool, pooledService, pooledPolicy} {
+		if err := k8s.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
 	}
 	created := time.Now()
 	poll.WaitFor(t, 90*time.Second, func() error {
@@ -259,6 +311,19 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		return nil
 	})
 	t.Logf("policy Ready %v after it was created", time.Since(created).Round(time.Millisecond))
+	poll.WaitFor(t, 90*time.Second, func() error {
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(pooledPolicy), pooledPolicy); err != nil {
+			return err
+		}
+		if c := meta.FindStatusCondition(pooledPolicy.Status.Conditions, v1alpha1.ConditionReady); c == nil || c.Status != metav1.ConditionTrue {
+			return fmt.Errorf("pooled policy not Ready: %+v", c)
+		}
+		return nil
+	})
+	var poolPods corev1.PodList
+	if err := k8s.List(ctx, &poolPods, client.InNamespace(ns.Name), client.MatchingLabels(render.PoolPodLabels(pool))); err != nil || len(poolPods.Items) != 2 {
+		t.Fatalf("pool pods: %d, %v; want 2", len(poolPods.Items), err)
+	}
 	pods, err := local.EnforcerPods(ctx, k8s, ns.Name, "public-api")
 	if err != nil || len(pods) != 2 {
 		t.Fatalf("enforcer pods: %d, %v; want 2", len(pods), err)
@@ -290,10 +355,11 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		t.Fatal(err)
 	}
 	_, port, _ := net.SplitHostPort(web)
-	applyYAML(t, k8s, strings.NewReplacer("{{ns}}", ns.Name, "{{port}}", port, "{{check}}", local.PodURL(&pods[0], "check")).Replace(gatewayManifests))
+	applyYAML(t, k8s, strings.NewReplacer("{{ns}}", ns.Name, "{{port}}", port, "{{check}}", local.PodURL(&pods[0], "check"),
+		"{{pool}}", local.PodURL(&poolPods.Items[0], "check")).Replace(gatewayManifests))
 	started := time.Now()
 	startTraefik(t, kubeconfig, web, logs)
-	for _, route := range []string{"public-api", "public-api-auth"} {
+	for _, route := range []string{"public-api", "public-api-auth", "public-api-pool"} {
 		waitRouteAccepted(t, k8s, ns.Name, route)
 	}
 	gateway := "http://" + web
@@ -361,6 +427,26 @@ func TestTraefikWhenGatewayAPIRoutesThroughSluiceThenRefusalsReachClientsAs429(t
 		requireRefusal(t, get(t, gateway+"/auth/a", "bob"), "checked")
 		if got := up.count() - before; got != 3 {
 			t.Errorf("the application served %d requests, want the 3 allowed", got)
+		}
+	})
+
+	t.Run("when a ForwardAuth Middleware asks a pool by the policy's path then its limit holds, and a path of no policy served lets nothing through", func(t *testing.T) {
+		before := up.count()
+		for i := range 2 {
+			if r := get(t, gateway+"/pooled/a", "dave"); r.status != http.StatusOK || r.body != "ok" {
+				t.Fatalf("request %d: %d %q, want 200 from the application", i, r.status, r.body)
+			}
+			if got := up.last(); got.Get("RateLimit-Policy") == "" {
+				t.Errorf("request %d: the application's request has no RateLimit-Policy: %v", i, got)
+			}
+		}
+		requireRefusal(t, get(t, gateway+"/pooled/a", "dave"), "pooled")
+		r := get(t, gateway+"/typo/a", "erin")
+		if r.status != http.StatusNotFound || !strings.Contains(r.body, `is not served here`) {
+			t.Errorf("a Middleware naming a policy the pool does not serve: %d %q, want its 404 passed on", r.status, r.body)
+		}
+		if got := up.count() - before; got != 2 {
+			t.Errorf("the application served %d requests, want the 2 allowed", got)
 		}
 	})
 

@@ -67,7 +67,8 @@ type Request struct {
 	Header policy.Header
 	// Peer is the TCP peer's address.
 	Peer netip.Addr
-	// Policy, when set, limits the decision to the rules of the policy with this ID.
+	// Policy, when set, limits the decision to the rules of the policy with this ID; a policy
+	// not in force makes the request Invalid (NotServed).
 	Policy string
 	// Hits multiplies every rule's cost; 0 means 1.
 	Hits int64
@@ -136,7 +137,7 @@ type Result struct {
 // Limiter decides requests. It is safe for concurrent use; SetPolicies swaps the rules without
 // disturbing requests in flight.
 type Limiter struct {
-	policies atomic.Pointer[[]*policy.Policy]
+	policies atomic.Pointer[policySet]
 	store    store.Store
 	breaker  *breaker
 	refusals *refusalCache
@@ -196,9 +197,16 @@ func New(opts Options) *Limiter {
 	if opts.RefusalCache {
 		l.refusals = newRefusalCache(100_000)
 	}
-	empty := []*policy.Policy{}
-	l.policies.Store(&empty)
+	l.policies.Store(&policySet{})
 	return l
+}
+
+// policySet is the policies in force, in order, and by ID: a decision for one policy (the check
+// API's /policies/<namespace>/<name>/..., an RLS domain) finds it in one lookup however many a
+// pool serves.
+type policySet struct {
+	list []*policy.Policy
+	byID map[string]*policy.Policy
 }
 
 // SetPolicies replaces the policies. Counters live in the store under the policies' and rules'
@@ -212,7 +220,11 @@ func (l *Limiter) SetPolicies(ps []*policy.Policy) {
 			}
 		}
 	}
-	l.policies.Store(&ps)
+	set := &policySet{list: ps, byID: make(map[string]*policy.Policy, len(ps))}
+	for _, p := range ps {
+		set.byID[p.ID] = p
+	}
+	l.policies.Store(set)
 	l.refusals.clear()
 	l.metrics.serve(ps)
 }
@@ -234,7 +246,19 @@ func (l *Limiter) Keys(req *Request) (map[string]string, string) {
 }
 
 // Policies are the policies in force.
-func (l *Limiter) Policies() []*policy.Policy { return *l.policies.Load() }
+func (l *Limiter) Policies() []*policy.Policy { return l.policies.Load().list }
+
+// Policy is the policy in force with this ID ("<namespace>/<name>"), or nil.
+func (l *Limiter) Policy(id string) *policy.Policy { return l.policies.Load().byID[id] }
+
+// NotServed says that a request named a policy that is not in force here: it is refused as
+// Invalid, never decided against no rules at all.
+func NotServed(id string) string {
+	if len(id) > 320 {
+		id = id[:320] + "..."
+	}
+	return "policy " + strconv.Quote(id) + " is not served here"
+}
 
 // BreakerOpen reports whether decisions skip the store for now (open) or wait for one probe
 // (half-open).
@@ -340,10 +364,16 @@ func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (_ []store.Check, _ []matched, idemKey, invalid string) {
 	hits := max(1, req.Hits)
 	lease := "" // the request's name, made once a rule needs it (leaseName)
-	for _, p := range *l.policies.Load() {
-		if req.Policy != "" && p.ID != req.Policy {
-			continue
+	set := l.policies.Load()
+	candidates := set.list
+	var one [1]*policy.Policy
+	if req.Policy != "" {
+		if one[0] = set.byID[req.Policy]; one[0] == nil {
+			return checks, rules, "", NotServed(req.Policy)
 		}
+		candidates = one[:]
+	}
+	for _, p := range candidates {
 		var addr netip.Addr
 		var idemValue string
 		if p.Idempotency != nil {

@@ -1,6 +1,8 @@
 package limiter
 
 import (
+	"slices"
+
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
@@ -66,6 +68,9 @@ type Metrics struct {
 	cancelled       prometheus.Counter
 	breakerOpen     prometheus.Gauge
 	policyInfo      *prometheus.GaugeVec
+	// served is what serve last recorded, by policy ID: a pool's change of one policy among
+	// thousands touches that policy's series alone.
+	served map[string]*policy.Policy
 }
 
 // NewMetrics creates the metrics and registers them with reg, if reg is not nil.
@@ -128,13 +133,25 @@ var results = []string{resultAllowed, resultLimited, resultShadowLimited, result
 // decision series exist at zero, so that an alert on increase() sees a rule's first
 // failed_closed decision rather than the series' birth; and the series of rules no longer in
 // force are dropped, so that dashboards do not show them.
+//
+// Only what changed is touched: a policy served as the same compiled policy as before keeps its
+// series as they are, so a pool that changes one policy of ten thousand does the work of one.
 func (m *Metrics) serve(ps []*policy.Policy) {
-	keep := map[RuleKey]bool{}
-	m.policyInfo.Reset()
+	next := make(map[string]*policy.Policy, len(ps))
 	for _, p := range ps {
+		next[p.ID] = p
+	}
+	for id, old := range m.served {
+		if p := next[id]; p != old {
+			m.drop(old, p)
+		}
+	}
+	for _, p := range ps {
+		if m.served[p.ID] == p {
+			continue
+		}
 		m.policyInfo.WithLabelValues(p.Namespace, p.Name).Set(1)
 		for i := range p.Rules {
-			keep[RuleKey{p.Namespace, p.Name, p.Rules[i].Name}] = true
 			for _, res := range results {
 				m.decisions.WithLabelValues(p.Namespace, p.Name, p.Rules[i].Name, res)
 			}
@@ -145,11 +162,33 @@ func (m *Metrics) serve(ps []*policy.Policy) {
 			}
 		}
 	}
-	for k := range m.Counters() {
-		if !keep[k] {
-			labels := prometheus.Labels{"namespace": k.Namespace, "policy": k.Policy, "rule": k.Rule}
-			m.decisions.DeletePartialMatch(labels)
-			m.responseCharges.DeletePartialMatch(labels)
+	m.served = next
+}
+
+// drop deletes the series of the rules of old that its successor p (nil: none) no longer has,
+// the response charges of those p no longer charges by the response, and old's policy_info when
+// p is nil.
+func (m *Metrics) drop(old, p *policy.Policy) {
+	if p == nil {
+		m.policyInfo.DeleteLabelValues(old.Namespace, old.Name)
+	}
+	for i := range old.Rules {
+		name := old.Rules[i].Name
+		var next *policy.Rule
+		if p != nil {
+			if j := slices.IndexFunc(p.Rules, func(r policy.Rule) bool { return r.Name == name }); j >= 0 {
+				next = &p.Rules[j]
+			}
+		}
+		if next == nil {
+			for _, res := range results {
+				m.decisions.DeleteLabelValues(old.Namespace, old.Name, name, res)
+			}
+		}
+		if old.Rules[i].OnResponse && (next == nil || !next.OnResponse) {
+			for _, res := range chargeResults {
+				m.responseCharges.DeleteLabelValues(old.Namespace, old.Name, name, res)
+			}
 		}
 	}
 }

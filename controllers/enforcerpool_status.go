@@ -1,0 +1,246 @@
+package controllers
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/report"
+)
+
+// poolObservation is what one reconcile of a pool learned. Its status is a pure function of it.
+type poolObservation struct {
+	// invalid is the validation error, if the spec is invalid.
+	invalid string
+	// applyErr is set when applying an object failed; stalled when no retry can fix it.
+	applyErr error
+	stalled  bool
+	// programmed is true once every object was applied.
+	programmed              bool
+	replicas                int32
+	image, storage, service string
+	deployment              *appsv1.Deployment
+	// pods are the pool's pods that are not terminating, with what each reported.
+	pods []replica
+}
+
+// maxRefusedListed bounds status.policies.refusedPolicies, as its schema does.
+const maxRefusedListed = 16
+
+// computePoolStatus derives a pool's status from an observation made at now, as computeStatus
+// does a policy's: conditions that change status transition at now.
+func computePoolStatus(pool *v1alpha1.EnforcerPool, obs poolObservation, reconciled bool, now time.Time) v1alpha1.EnforcerPoolStatus {
+	st := *pool.Status.DeepCopy()
+	gen := pool.Generation
+	set := func(t string, ok bool, reason, msg string) {
+		status := metav1.ConditionFalse
+		if ok {
+			status = metav1.ConditionTrue
+		}
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg,
+			ObservedGeneration: gen, LastTransitionTime: metav1.NewTime(now)})
+	}
+	switch {
+	case obs.invalid != "":
+		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonInvalid, obs.invalid)
+		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonInvalid, obs.invalid)
+	case obs.stalled:
+		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
+		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
+	default:
+		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
+		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
+	}
+	accepted := obs.invalid == ""
+	switch {
+	case !accepted:
+		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonNotAccepted, "nothing is programmed for a pool that is not accepted")
+	case obs.applyErr != nil:
+		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
+	case obs.programmed:
+		set(v1alpha1.ConditionProgrammed, true, v1alpha1.ReasonProgrammed, "the pool's objects are applied")
+	}
+	ready, ok, reason, msg := poolReadiness(obs)
+	set(v1alpha1.ConditionReady, ok, reason, msg)
+	set(v1alpha1.ConditionReconciling, accepted && !obs.stalled && !ok, reason, msg)
+	st.Reason = ""
+	if !ok {
+		st.Reason = reason
+	}
+	degraded, reason, msg := poolDegradation(obs)
+	set(v1alpha1.ConditionDegraded, degraded, reason, msg)
+	if obs.programmed {
+		st.ServiceName, st.Replicas, st.Image, st.Storage = obs.service, obs.replicas, obs.image, obs.storage
+		st.ReadyReplicas, st.Ready = ready, fmt.Sprintf("%d/%d", ready, obs.replicas)
+		st.Policies, st.ReplicaStatuses = poolPolicies(obs.pods), poolReplicas(obs.pods)
+	}
+	if reconciled {
+		st.ObservedGeneration = gen
+	}
+	return st
+}
+
+// poolReadiness tells how many replicas are ready and report that they follow the pool's
+// policies, and whether that makes the pool Ready: every desired replica, and the Deployment
+// done rolling out.
+func poolReadiness(obs poolObservation) (int32, bool, string, string) {
+	if !obs.programmed || obs.deployment == nil {
+		return 0, false, v1alpha1.ReasonNotProgrammed, "the pool's enforcers are not programmed"
+	}
+	var ready int32
+	var missing []string
+	for _, r := range obs.pods {
+		switch {
+		case !r.ready:
+			missing = append(missing, r.pod+" is not ready")
+		case r.err != nil:
+			missing = append(missing, r.pod+" did not report: "+r.err.Error())
+		case !r.report.Synced:
+			missing = append(missing, r.pod+" has not loaded the pool's policies yet")
+		default:
+			ready++
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d/%d replicas serve the pool's policies", ready, obs.replicas)
+	if len(missing) > 0 {
+		slices.Sort(missing)
+		fmt.Fprintf(&b, "; %s", missing[0])
+		if len(missing) > 1 {
+			fmt.Fprintf(&b, " (and %d more)", len(missing)-1)
+		}
+	}
+	d := obs.deployment
+	rolling := d.Status.ObservedGeneration < d.Generation || d.Status.UpdatedReplicas < obs.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
+	switch {
+	case rolling && ready < obs.replicas:
+		return ready, false, v1alpha1.ReasonRollingOut, b.String()
+	case ready < obs.replicas || d.Status.AvailableReplicas < obs.replicas:
+		return ready, false, v1alpha1.ReasonUnavailable, b.String()
+	case rolling:
+		return ready, false, v1alpha1.ReasonRollingOut, b.String() + "; old replicas are still terminating"
+	}
+	return ready, true, v1alpha1.ReasonAvailable, b.String()
+}
+
+// poolDegradation tells what weakens the pool: a replica's store that does not answer, in its
+// words, or a policy a replica refused.
+func poolDegradation(obs poolObservation) (bool, string, string) {
+	pods := slices.Clone(obs.pods)
+	slices.SortFunc(pods, func(a, b replica) int { return strings.Compare(a.pod, b.pod) })
+	for _, r := range pods {
+		if r.report == nil || r.report.Store.Connected {
+			continue
+		}
+		reason := v1alpha1.ReasonRedisUnreachable
+		switch r.report.Store.Cause {
+		case report.CauseAuthentication:
+			reason = v1alpha1.ReasonRedisAuthenticationFailed
+		case report.CauseTLS:
+			reason = v1alpha1.ReasonRedisTLSFailed
+		}
+		return true, reason, "replica " + r.pod + ": " + r.report.Store.Message
+	}
+	for _, r := range pods {
+		if r.report != nil && len(r.report.Refused) > 0 {
+			f := r.report.Refused[0]
+			return true, v1alpha1.ReasonPoliciesRefused, fmt.Sprintf("replica %s refused %d policies' configs, the others are served; %s: %s",
+				r.pod, len(r.report.Refused), f.Policy, f.Reason)
+		}
+	}
+	return false, v1alpha1.ReasonAsExpected, ""
+}
+
+// poolPolicies counts the policies every reporting replica serves, and those any refuses.
+func poolPolicies(pods []replica) *v1alpha1.PoolPolicies {
+	served := map[string]int{}
+	reporting := 0
+	refused := map[string]string{}
+	for _, r := range pods {
+		if r.report == nil {
+			continue
+		}
+		reporting++
+		for _, s := range r.report.Policies {
+			served[s.Policy]++
+		}
+		for _, f := range r.report.Refused {
+			if _, ok := refused[f.Policy]; !ok {
+				refused[f.Policy] = f.Reason
+			}
+		}
+	}
+	if reporting == 0 {
+		return nil
+	}
+	out := &v1alpha1.PoolPolicies{Refused: int32(len(refused))}
+	for _, n := range served {
+		if n == reporting {
+			out.Served++
+		}
+	}
+	ids := make([]string, 0, len(refused))
+	for id := range refused {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids[:min(len(ids), maxRefusedListed)] {
+		msg := refused[id]
+		if len(msg) > 1024 {
+			msg = msg[:1020] + "..."
+		}
+		out.RefusedPolicies = append(out.RefusedPolicies, v1alpha1.RefusedPolicy{Policy: id, Message: msg})
+	}
+	return out
+}
+
+// maxReplicasListed bounds status.replicaStatuses, as its schema does.
+const maxReplicasListed = 100
+
+// poolReplicas lists the pool's pods as they report, by name.
+func poolReplicas(pods []replica) []v1alpha1.PoolReplica {
+	var out []v1alpha1.PoolReplica
+	for _, r := range pods {
+		rs := v1alpha1.PoolReplica{Name: r.pod}
+		switch {
+		case r.err != nil:
+			rs.Store = "did not report: " + r.err.Error()
+		case r.report.Store.Connected:
+			rs.Ready, rs.Store = r.ready && r.report.Synced, "connected"
+		default:
+			rs.Ready, rs.Store = r.ready && r.report.Synced, r.report.Store.Message
+		}
+		if r.report != nil {
+			rs.Policies, rs.Refused = int32(len(r.report.Policies)), int32(len(r.report.Refused))
+		}
+		if len(rs.Store) > 1024 {
+			rs.Store = rs.Store[:1020] + "..."
+		}
+		out = append(out, rs)
+	}
+	slices.SortFunc(out, func(a, b v1alpha1.PoolReplica) int { return strings.Compare(a.Name, b.Name) })
+	return out[:min(len(out), maxReplicasListed)]
+}
+
+// poolNoticeable tells whether a pool's status change is one to write at once, rather than moved
+// counts or reworded messages.
+func poolNoticeable(old, cur *v1alpha1.EnforcerPoolStatus) bool {
+	if old.ObservedGeneration != cur.ObservedGeneration || len(old.Conditions) != len(cur.Conditions) || old.ReadyReplicas != cur.ReadyReplicas ||
+		old.Replicas != cur.Replicas || old.Image != cur.Image || old.Storage != cur.Storage || old.ServiceName != cur.ServiceName ||
+		len(old.ReplicaStatuses) != len(cur.ReplicaStatuses) {
+		return true
+	}
+	for _, c := range cur.Conditions {
+		o := meta.FindStatusCondition(old.Conditions, c.Type)
+		if o == nil || o.Status != c.Status || o.Reason != c.Reason || o.ObservedGeneration != c.ObservedGeneration {
+			return true
+		}
+	}
+	return false
+}
