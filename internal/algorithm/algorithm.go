@@ -179,11 +179,18 @@ func (l Limit) TakeAs(st State, now time.Time, cost int64, lease string) (State,
 // takes the rule to exhaustion (Remaining 0) and no further. A negative cost charges nothing.
 // The decision is that of the units charged; Allowed is false only where the rule refuses even
 // what it has left, which a leaky bucket's maxWait may (the schema keeps leaky buckets from
-// being charged by the response).
+// being charged by the response). Charging nothing always passes: a token bucket that an
+// admission at its bound filled a float step past it (later rounds against the client) refuses
+// even a cost of 0, by that step, and there is nothing to refuse.
 func (l Limit) Charge(st State, now time.Time, cost int64) (State, Decision) {
 	us := Micros(now)
-	_, d := l.take(st, us, 0, "")
-	return l.take(st, us, min(max(cost, 0), d.Remaining), "")
+	_, left := l.take(st, us, 0, "")
+	units := min(max(cost, 0), left.Remaining)
+	next, d := l.take(st, us, units, "")
+	if units == 0 {
+		d.Allowed, d.RetryAfter = true, 0
+	}
+	return next, d
 }
 
 // Release ends the lease of the request named lease that holds units slots of a concurrency

@@ -362,6 +362,9 @@ if mode == 'f' then
       local left = {evaluate(i, 0)}
       local units = min(max(cost, 0), left[2])
       res[i] = {evaluate(i, units)}
+      -- Charging nothing passes, as algorithm.Limit.Charge: a bucket filled a float step past
+      -- its bound refuses even a cost of 0.
+      if units == 0 then res[i][1], res[i][4] = true, 0 end
       -- Each charge a sliding log member of its own: a rule charged twice holds both.
       if res[i][1] and res[i][6] then keep(i, res[i], id .. '+' .. i, units) end
       logged = {}
