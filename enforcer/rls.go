@@ -42,8 +42,9 @@ const (
 // (a gateway with one domain for every route), each descriptor names its own with an
 // EntryPolicy entry; each descriptor describes a request, its entries mapped onto what the
 // policy's rules match and key on; every rule that matches any of the descriptors is decided,
-// and all are charged or none. A policy not served here is refused with INVALID_ARGUMENT,
-// naming it, never decided against no rules.
+// and all are charged or none. A call for a policy not served here is answered OVER_LIMIT, with
+// a body naming the policy, never decided against no rules: not an error, which Envoy's default
+// failure_mode_deny (false) would let through unlimited.
 type rls struct {
 	rlsv3.UnimplementedRateLimitServiceServer
 	limiter *limiter.Limiter
@@ -61,8 +62,8 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	domain := req.GetDomain()
 	byDomain := s.limiter.Policy(domain) != nil
 	if !byDomain && !slices.ContainsFunc(req.GetDescriptors(), namesPolicy) {
-		return nil, status.Errorf(codes.InvalidArgument, "domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>, "+
-			"or each descriptor names its policy with an entry %q", abbreviate(domain), EntryPolicy)
+		return notServed(req, fmt.Sprintf("domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>, "+
+			"or each descriptor names its policy with an entry %q", abbreviate(domain), EntryPolicy)), nil
 	}
 	if n := len(req.GetDescriptors()); n > MaxRLSDescriptors {
 		return nil, status.Errorf(codes.ResourceExhausted, "%d descriptors: at most %d are decided in one call", n, MaxRLSDescriptors)
@@ -87,14 +88,14 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		}
 		switch {
 		case named == "" && !byDomain:
-			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d names no policy: the domain %q is no policy served here; "+
-				"name one with an entry %q", i, abbreviate(domain), EntryPolicy)
+			return notServed(req, fmt.Sprintf("descriptor %d names no policy: the domain %q is no policy served here; "+
+				"name one with an entry %q", i, abbreviate(domain), EntryPolicy)), nil
 		case named == "":
 			named = domain
 		case byDomain && named != domain:
-			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d names policy %q, the domain %q", i, abbreviate(named), abbreviate(domain))
+			return notServed(req, fmt.Sprintf("descriptor %d names policy %q, the domain %q", i, abbreviate(named), abbreviate(domain))), nil
 		case s.limiter.Policy(named) == nil:
-			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: %s", i, limiter.NotServed(named))
+			return notServed(req, fmt.Sprintf("descriptor %d: %s", i, limiter.NotServed(named))), nil
 		}
 		r.Policy, r.Hits, r.KeysRequired = named, max(1, hits), true
 		reqs[i] = r
@@ -133,6 +134,19 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	// into Envoy's failure_mode_deny. Over RLS a leaky bucket admits its capacity at once and
 	// its drain rate after that (docs/enforcer.md).
 	return resp, nil
+}
+
+// notServed answers a call for a policy not served here: OVER_LIMIT, for every descriptor and
+// whatever Envoy's failure mode, with the reason as the body of the 429 Envoy sends.
+func notServed(req *rlsv3.RateLimitRequest, reason string) *rlsv3.RateLimitResponse {
+	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OVER_LIMIT}
+	for range req.GetDescriptors() { // Envoy expects a status for each
+		resp.Statuses = append(resp.Statuses, &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OVER_LIMIT})
+	}
+	resp.RawBody = malformed(func(name, value string) {
+		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, &corev3.HeaderValue{Key: name, Value: value})
+	}, http.StatusTooManyRequests, reason)
+	return resp
 }
 
 // namesPolicy reports whether a descriptor names its policy (EntryPolicy).

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -18,9 +19,7 @@ import (
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
-	grpcstatus "google.golang.org/grpc/status"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -311,31 +310,49 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 		}
 	})
 
-	t.Run("when Envoy asks for a policy not served then INVALID_ARGUMENT names it", func(t *testing.T) {
+	t.Run("when Envoy asks for a policy not served then OVER_LIMIT names it, whatever Envoy's failure mode", func(t *testing.T) {
+		refused := func(r *rlsv3.RateLimitResponse, err error) string {
+			t.Helper()
+			if err != nil || r.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT {
+				// An error would pass unlimited under Envoy's default failure_mode_deny: false.
+				t.Errorf("%v, %v; want OVER_LIMIT", r.GetOverallCode(), err)
+				return ""
+			}
+			var p struct{ Status int }
+			if err := json.Unmarshal(r.GetRawBody(), &p); err != nil || p.Status != http.StatusTooManyRequests {
+				t.Errorf("body %q: %v, want a problem of status 429", r.GetRawBody(), err)
+			}
+			return string(r.GetRawBody())
+		}
 		for _, c := range []struct {
 			domain  string
 			entries []string
 			want    string
 		}{
-			{"shop/bad", []string{"x-client", "bob"}, `domain "shop/bad": no policy of that name is served here`},
-			{"contour", []string{"x-client", "bob"}, `domain "contour": no policy of that name is served here; the domain is the policy's <namespace>/<name>, or each descriptor names its policy with an entry "sluice-policy"`},
-			{"contour", []string{enforcer.EntryPolicy, "shop/c", "x-client", "bob"}, `descriptor 0: policy "shop/c" is not served here`},
-			{"shop/a", []string{enforcer.EntryPolicy, "team/b", "x-client", "bob"}, `descriptor 0 names policy "team/b", the domain "shop/a"`},
+			{"shop/bad", []string{"x-client", "bob"}, `domain \"shop/bad\": no policy of that name is served here`},
+			{"contour", []string{"x-client", "bob"}, `domain \"contour\": no policy of that name is served here; the domain is the policy's \u003cnamespace\u003e/\u003cname\u003e, or each descriptor names its policy with an entry \"sluice-policy\"`},
+			{"contour", []string{enforcer.EntryPolicy, "shop/c", "x-client", "bob"}, `descriptor 0: policy \"shop/c\" is not served here`},
+			{"shop/a", []string{enforcer.EntryPolicy, "team/b", "x-client", "bob"}, `descriptor 0 names policy \"team/b\", the domain \"shop/a\"`},
 		} {
-			_, err := call(c.domain, c.entries...)
-			if grpcstatus.Code(err) != codes.InvalidArgument || !strings.Contains(grpcstatus.Convert(err).Message(), c.want) {
-				t.Errorf("domain %s %v: %v, want INVALID_ARGUMENT with %q", c.domain, c.entries, err, c.want)
+			if body := refused(call(c.domain, c.entries...)); !strings.Contains(body, c.want) {
+				t.Errorf("domain %s %v: body %q, want %q in it", c.domain, c.entries, body, c.want)
 			}
 		}
 		// Of two descriptors under one global domain, the one that names no policy is refused,
 		// and with it the call: nothing is charged.
-		_, err := rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "contour", Descriptors: []*rlv3.RateLimitDescriptor{
-			{Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: enforcer.EntryPolicy, Value: "shop/a"}, {Key: "x-client", Value: "fay"}}},
-			{Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "x-client", Value: "fay"}}},
-		}})
-		if want := `descriptor 1 names no policy: the domain "contour" is no policy served here`; grpcstatus.Code(err) != codes.InvalidArgument ||
-			!strings.Contains(grpcstatus.Convert(err).Message(), want) {
-			t.Errorf("two descriptors, the second naming no policy: %v, want INVALID_ARGUMENT with %q", err, want)
+		both := func() (*rlsv3.RateLimitResponse, error) {
+			return rls.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "contour", Descriptors: []*rlv3.RateLimitDescriptor{
+				{Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: enforcer.EntryPolicy, Value: "shop/a"}, {Key: "x-client", Value: "fay"}}},
+				{Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "x-client", Value: "fay"}}},
+			}})
+		}
+		for range 5 {
+			if want, body := `descriptor 1 names no policy: the domain \"contour\" is no policy served here`, refused(both()); !strings.Contains(body, want) {
+				t.Errorf("two descriptors, the second naming no policy: body %q, want %q in it", body, want)
+			}
+		}
+		if r, err := call("shop/a", "x-client", "fay"); err != nil || r.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+			t.Errorf("fay on shop/a after five refused calls: %v, %v; want OK, nothing charged by them", r.GetOverallCode(), err)
 		}
 	})
 
