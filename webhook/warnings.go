@@ -38,12 +38,18 @@ func Warnings(p *v1alpha1.RateLimitPolicy) []string {
 		out = append(out, "spec.rules: every rule is in Shadow mode, so this policy counts requests but never refuses one")
 	}
 	out = append(out, burstWarnings(p, c)...)
-	if s := p.Spec.Storage; s != nil && (s.Redis != nil || s.ManagedRedis != nil) {
-		for i, r := range c.Rules {
-			if r.FailOpen && r.Enforce && isLoginPath(r.Match.Value) {
-				out = append(out, fmt.Sprintf("%s fails open on a login path (%s): while Redis cannot answer, it admits unlimited attempts such as password guessing; set failureMode: Closed",
-					ruleRef(i, r.Name), r.Match.Value))
-			}
+	// A pool's storage is not the policy's to see here; a pool of more than one replica shares a
+	// Redis, which can be down.
+	store := "Redis"
+	if e := p.Spec.Enforcer; e != nil && e.PoolRef != nil {
+		store = "the pool's store"
+	} else if s := p.Spec.Storage; s == nil || s.Redis == nil && s.ManagedRedis == nil {
+		store = "" // memory: no outage to fail open in
+	}
+	for i, r := range c.Rules {
+		if store != "" && r.FailOpen && r.Enforce && isLoginPath(r.Match.Value) {
+			out = append(out, fmt.Sprintf("%s fails open on a login path (%s): while %s cannot answer, it admits unlimited attempts such as password guessing; set failureMode: Closed",
+				ruleRef(i, r.Name), r.Match.Value, store))
 		}
 	}
 	return out

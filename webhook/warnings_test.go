@@ -119,6 +119,9 @@ func warningCases() []warningCase {
 			withRedis(policyOf(onPath(bucket("login", 5, 1, "1m"), v1alpha1.PathMatchPrefix, "/sign-in", v1alpha1.FailClosed))), nil},
 		{"when a fail-open rule is on a path that only contains a login word then nothing is said",
 			withRedis(policyOf(onPath(bucket("authors", 5, 1, "1m"), v1alpha1.PathMatchPrefix, "/authors", v1alpha1.FailOpen))), nil},
+		{"when a policy in a pool fails open on a login path then the pool's store is named",
+			inPool(policyOf(onPath(bucket("login", 5, 1, "1m"), v1alpha1.PathMatchExact, "/login", v1alpha1.FailOpen))),
+			[]string{`spec.rules[0] ("login") fails open on a login path (/login): while the pool's store cannot answer, it admits unlimited attempts`}},
 		{"when storage is memory then there is no outage to fail open in",
 			policyOf(onPath(bucket("login", 5, 1, "1m"), v1alpha1.PathMatchExact, "/login", v1alpha1.FailOpen)), nil},
 	}
