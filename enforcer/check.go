@@ -177,9 +177,9 @@ func newCheckServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout, idl
 		Handler:               h,
 		ReadTimeout:           readTimeout,
 		IdleTimeout:           idleTimeout,
-		ReduceMemoryUsage:     true,     // an idle connection holds no 64 KiB buffers
-		ReadBufferSize:        64 << 10, // fasthttp's header size limit
-		MaxRequestBodySize:    64 << 10, // ingresses send none
+		ReduceMemoryUsage:     true,           // an idle connection holds no 64 KiB buffers
+		ReadBufferSize:        MaxHeaderBytes, // fasthttp's header size limit
+		MaxRequestBodySize:    64 << 10,       // ingresses send none
 		NoDefaultServerHeader: true,
 		Logger:                fastLogger{log},
 		ErrorHandler:          refuseMalformed,

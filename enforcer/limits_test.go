@@ -267,3 +267,53 @@ func TestProxyWhenAnH2CClientOpensMoreStreamsThanTheBoundThenTheExtraOneIsReset(
 		}
 	}
 }
+
+// An upstream's response header block of MaxHeaderBytes passes through both proxies, a body
+// behind it, and one byte more is 502 (fasthttp's default had made 4 KiB and one byte a 502:
+// an upstream's large cookies). The HTTP/1.1 client reaches the fasthttp path, the h2c client
+// net/http's.
+func TestProxyWhenAnUpstreamHeaderBlockIsAtTheBoundThenItPassesAndPastItIs502(t *testing.T) {
+	body := strings.Repeat("b", 16<<10)
+	up := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var size int
+		if _, err := fmt.Sscanf(r.URL.Query().Get("size"), "%d", &size); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		// Written raw, so that the header block, status line to blank line, is exactly size.
+		conn, rw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer func() { _ = conn.Close() }()
+		head := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\nSet-Cookie: ", len(body))
+		_, _ = fmt.Fprintf(rw, "%s%s\r\n\r\n%s", head, strings.Repeat("c", size-len(head)-len("\r\n\r\n")), body)
+		_ = rw.Flush()
+	}))}
+	t.Cleanup(up.Close)
+	e := start(t, policyDoc("headers", `    - name: any
+      fixedWindow: {limit: 1000, window: 1h}
+`), up, nil)
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	for _, c := range []struct {
+		name   string
+		client *http.Client
+	}{
+		{"HTTP/1.1", &http.Client{Transport: &http.Transport{}, Timeout: 10 * time.Second}},
+		{"h2c", &http.Client{Transport: &http.Transport{Protocols: &protocols}, Timeout: 10 * time.Second}},
+	} {
+		for size, want := range map[int]int{4<<10 + 1: http.StatusOK, enforcer.MaxHeaderBytes: http.StatusOK, enforcer.MaxHeaderBytes + 1: http.StatusBadGateway} {
+			resp, err := c.client.Get(fmt.Sprintf("%s/headers?size=%d", e.proxy, size))
+			if err != nil {
+				t.Fatalf("%s, a header block of %d bytes: %v", c.name, size, err)
+			}
+			got, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			if resp.StatusCode != want || want == http.StatusOK && (string(got) != body || len(resp.Header.Get("Set-Cookie")) < size-200) {
+				t.Errorf("%s, a header block of %d bytes: %d with a body of %d bytes and a cookie of %d, want %d", c.name, size, resp.StatusCode, len(got), len(resp.Header.Get("Set-Cookie")), want)
+			}
+		}
+	}
+}

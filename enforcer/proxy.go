@@ -56,6 +56,9 @@ func newFastProxy(l *limiter.Limiter, upstream *url.URL, o upstreamOptions, m *u
 		// As many connections as requests in flight: a proxy must not queue behind its pool.
 		MaxConns:            1 << 16,
 		MaxIdleConnDuration: o.idle,
+		// The response header's limit: fasthttp's default, 4 KiB, made an upstream's larger
+		// cookies a 502. Held per request in flight, not per idle connection.
+		ReadBufferSize: MaxHeaderBytes,
 		// Streamed both ways: a response is relayed as the upstream writes it.
 		StreamResponseBody:            true,
 		DisablePathNormalizing:        true,
@@ -539,7 +542,7 @@ func newProxyServer(h fasthttp.RequestHandler, log logr.Logger, readTimeout, idl
 		IdleTimeout:                  idleTimeout,
 		ReduceMemoryUsage:            true, // an idle connection releases its write buffer; the 64 KiB read buffer stays, as streamed request bodies need it
 		ReadTimeout:                  readTimeout,
-		ReadBufferSize:               64 << 10, // fasthttp's header size limit
+		ReadBufferSize:               MaxHeaderBytes, // fasthttp's header size limit
 		StreamRequestBody:            true,
 		MaxRequestBodySize:           64 << 10, // read ahead; the rest streams
 		DisablePreParseMultipartForm: true,

@@ -416,7 +416,7 @@ const maxStreams = 100
 // the check API does: it reads MaxHeaderBytes plus 4096 bytes of slack, and with h2c on it
 // reads the first bytes of a connection, as long as "PRI * HTTP/2.0", to sniff for the HTTP/2
 // preface before it starts counting.
-const maxHeaderBytes = 64<<10 - 4096 - len("PRI * HTTP/2.0")
+const maxHeaderBytes = MaxHeaderBytes - 4096 - len("PRI * HTTP/2.0")
 
 // serveCheck returns a function that runs the check API's server and returns its shutdown.
 func (e *Enforcer) serveCheck(c *check) func(net.Listener) func(context.Context) error {

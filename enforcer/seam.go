@@ -42,6 +42,11 @@ import (
 // longer one is answered 414 by every front end before anything is decided.
 const MaxTargetBytes = 8 << 10
 
+// MaxHeaderBytes bounds a request's line and header block on every listener (431 past it), and
+// an upstream response's status line and header block through the proxy (502 past it: big
+// cookies and security policies pass, an upstream that never ends its header does not).
+const MaxHeaderBytes = 64 << 10
+
 // input is what a front end makes of its request.
 type input struct {
 	// method and target are as received: the target is the path and query, or an absolute URI.

@@ -94,6 +94,9 @@ func newTransport(upstream *url.URL, o upstreamOptions) http.RoundTripper {
 		ExpectContinueTimeout: time.Second,
 		Protocols:             &protocols,
 		HTTP2:                 &http.HTTP2Config{MaxConcurrentStreams: maxStreams},
+		// As the fasthttp path's: 10 MiB by default. (An HTTP/2 upstream's header list is
+		// counted as HTTP/2 does, 32 bytes more a field.)
+		MaxResponseHeaderBytes: MaxHeaderBytes,
 	}
 	if upstream.Scheme == "https" {
 		c := &tls.Config{MinVersion: tls.VersionTLS12}
