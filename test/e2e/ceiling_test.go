@@ -295,3 +295,74 @@ func allPodsReady(k8s client.Client, ns string, n int) error {
 	}
 	return nil
 }
+
+// BenchmarkPoolReadyCeiling is the floor under BenchmarkPoolPoliciesReachReady's time from the
+// first create to every policy Ready: no manager, webhook or enforcers; bareWorkers workers of a
+// bare, unthrottled client write, for each of SLUICE_BENCH_POLICIES pooled policies (default
+// 1,000), what any controller of a pool must: the policy's Service and the policy (as the
+// benchmark creates them), the policy's ConfigMap that the pool's replicas read
+// (render.PoolConfigMap), and one status write with Accepted, Programmed and Ready, which a
+// manager that hears from the enforcers writes in two. Run it in the same go test beside the
+// pool's benchmark with as many creators:
+//
+//	SLUICE_BENCH_POLICIES=1000 SLUICE_BENCH_CREATORS=64 go test -run '^$' -bench 'PoolReadyCeiling|PoolPoliciesReachReady' -benchtime 1x -timeout 60m ./test/e2e/
+func BenchmarkPoolReadyCeiling(b *testing.B) {
+	n := 1000
+	if v, err := strconv.Atoi(os.Getenv("SLUICE_BENCH_POLICIES")); err == nil {
+		n = v
+	}
+	logf.SetLogger(logr.Discard())
+	for b.Loop() {
+		env, err := testenv.Start(testenv.WithControllers())
+		if err != nil {
+			b.Fatal(err)
+		}
+		k8s := unthrottledClient(b, env.Config)
+		ns := makeNamespace(b, k8s, "pool-ceiling-")
+		pool := &v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "shared"}}
+		if err := k8s.Create(context.Background(), pool); err != nil {
+			b.Fatal(err)
+		}
+		ctx := context.Background()
+		var writes atomic.Int64
+		var wg sync.WaitGroup
+		start := time.Now()
+		for w := range bareWorkers {
+			wg.Go(func() {
+				for i := w; i < n; i += bareWorkers {
+					svc, p := benchPolicy(ns, i)
+					p.Spec.Enforcer = &v1alpha1.EnforcerSpec{PoolRef: &v1alpha1.PoolRef{Name: pool.Name}}
+					for _, o := range []client.Object{svc, p} {
+						if err := k8s.Create(ctx, o); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+					cm, _, err := render.PoolConfigMap(p, pool)
+					if err == nil {
+						err = k8s.Create(ctx, cm)
+					}
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					for _, c := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionProgrammed, v1alpha1.ConditionReady} {
+						meta.SetStatusCondition(&p.Status.Conditions, metav1.Condition{Type: c, Status: metav1.ConditionTrue,
+							Reason: c, Message: "bench", ObservedGeneration: p.Generation})
+					}
+					p.Status.ObservedGeneration = p.Generation
+					if err := k8s.Status().Update(ctx, p); err != nil {
+						b.Error(err)
+						return
+					}
+					writes.Add(4)
+				}
+			})
+		}
+		wg.Wait()
+		took := time.Since(start)
+		b.ReportMetric(took.Seconds(), "s-ceiling-all-ready")
+		b.ReportMetric(float64(writes.Load())/took.Seconds(), "ceiling-writes/s")
+		_ = env.Stop()
+	}
+}
