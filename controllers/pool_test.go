@@ -534,7 +534,7 @@ func TestPoolWhenAPolicyMovesInAndOutUnderTrafficThenSomeHomeDecidesThroughout(t
 			mu.Lock()
 			rounds = append(rounds, r)
 			mu.Unlock()
-			time.Sleep(5 * time.Millisecond)
+			time.Sleep(5 * time.Millisecond) // the traffic's pace while the policy moves, not an order of events
 		}
 	})
 	t.Cleanup(func() {

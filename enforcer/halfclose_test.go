@@ -66,7 +66,7 @@ func TestEnforcerWhenAClientHalfClosesThenItIsNeverAnsweredWhatNobodyDecided(t *
 func createdAfter(t *testing.T, d time.Duration) *httptest.Server {
 	t.Helper()
 	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		time.Sleep(d)
+		time.Sleep(d) // real time passes: the slow upstream under test
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, "done")
 	}))

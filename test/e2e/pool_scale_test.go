@@ -170,7 +170,7 @@ func BenchmarkPoolPoliciesReachReady(b *testing.B) {
 			if time.Since(start) > 30*time.Minute {
 				b.Fatalf("after 30 minutes: %d of %d Ready", r, n)
 			}
-			time.Sleep(time.Second)
+			time.Sleep(time.Second) // the count's pace: Ready is read once a second
 		}
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
