@@ -84,7 +84,9 @@ func metric(t testing.TB, base, name string) float64 {
 // heap with every policy loaded; at steady state the writes per second and the manager's CPU
 // over a minute; and, with every policy loaded, how long a changed policy takes to be decided
 // under on every replica, from the update to the first decision under it (SLUICE_BENCH_CHANGES
-// updates, default 100, one at a time: p50, p99 and max over both replicas).
+// updates, default 100, one at a time: p50, p99 and max over both replicas). With
+// SLUICE_BENCH_PROFILE=<dir> it writes CPU profiles of the manager (rollout, steady) and of the
+// API server (the rollout's first 30 s) into dir.
 //
 //	SLUICE_BENCH_POLICIES=10000 go test -run '^$' -bench PoolPoliciesReachReady -benchtime 1x -timeout 60m ./test/e2e/
 func BenchmarkPoolPoliciesReachReady(b *testing.B) {
@@ -150,6 +152,11 @@ func BenchmarkPoolPoliciesReachReady(b *testing.B) {
 		}
 		start := time.Now()
 		profile("pool-rollout.pprof", "/debug/pprof/profile?seconds=60")
+		if profiles != "" {
+			profiling.Go(func() {
+				saveFromAPIServer(b, c.env.Config, "/debug/pprof/profile?seconds=30", filepath.Join(profiles, "apiserver-pool-rollout.pprof"))
+			})
+		}
 		populatePooled(b, k8s, ns, n, creators, pool.Name)
 		created := time.Since(start)
 		var ready time.Duration

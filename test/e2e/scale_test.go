@@ -410,12 +410,19 @@ func BenchmarkPoliciesReachReady(b *testing.B) {
 // counts every request of the run by resource, subresource and verb, whoever sent it.
 func saveAPIServerMetrics(t testing.TB, cfg *rest.Config, file string) {
 	t.Helper()
+	saveFromAPIServer(t, cfg, "/metrics", file)
+}
+
+// saveFromAPIServer writes what the API server serves at path (its metrics, or a profile under
+// /debug/pprof) to file, asked with the test's credentials.
+func saveFromAPIServer(t testing.TB, cfg *rest.Config, path, file string) {
+	t.Helper()
 	hc, err := rest.HTTPClientFor(cfg)
 	if err != nil {
 		t.Error(err)
 		return
 	}
-	resp, err := hc.Get(strings.TrimSuffix(cfg.Host, "/") + "/metrics")
+	resp, err := hc.Get(strings.TrimSuffix(cfg.Host, "/") + path)
 	if err != nil {
 		t.Error(err)
 		return
