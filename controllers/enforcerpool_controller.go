@@ -128,19 +128,7 @@ func (r *poolReconciler) finishPool(ctx context.Context, before, pool *v1alpha1.
 		return res, errors.Join(err, countFailure(&failure{errStatus, client.IgnoreNotFound(serr)}))
 	}
 	r.written.Store(key, now)
-	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
-		old, cur := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(pool.Status.Conditions, t)
-		if cur == nil || old != nil && old.Status == cur.Status || old == nil && !newsAtFirst(cur) {
-			continue
-		}
-		kind := corev1.EventTypeNormal
-		if (t == v1alpha1.ConditionDegraded) == (cur.Status == "True") {
-			kind = corev1.EventTypeWarning
-		}
-		if r.Recorder != nil {
-			r.Recorder.Eventf(pool, nil, kind, cur.Reason, t, "%s is %s: %s", t, cur.Status, cur.Message)
-		}
-	}
+	recordTransitions(r.Recorder, pool, before.Status.Conditions, pool.Status.Conditions)
 	return res, err
 }
 
@@ -227,7 +215,7 @@ func (r *poolReconciler) poolRedisPassword(ctx context.Context, pool *v1alpha1.E
 			return &notOwnedError{kind: "Secret", name: key.Name, owner: "pool"}
 		}
 		if password := live.Data[render.RedisPasswordKey]; len(password) > 0 {
-			render.WithPoolRedisPassword(objs, string(password))
+			objs.WithRedisPassword(string(password))
 			return nil
 		}
 	case !apierrors.IsNotFound(err):
@@ -235,7 +223,7 @@ func (r *poolReconciler) poolRedisPassword(ctx context.Context, pool *v1alpha1.E
 	}
 	secret := make([]byte, 32)
 	_, _ = rand.Read(secret)
-	render.WithPoolRedisPassword(objs, hex.EncodeToString(secret))
+	objs.WithRedisPassword(hex.EncodeToString(secret))
 	if err == nil {
 		return nil
 	}

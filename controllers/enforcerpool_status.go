@@ -8,7 +8,6 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/report"
@@ -37,15 +36,7 @@ const maxRefusedListed = 16
 // does a policy's: conditions that change status transition at now.
 func computePoolStatus(pool *v1alpha1.EnforcerPool, obs poolObservation, reconciled bool, now time.Time) v1alpha1.EnforcerPoolStatus {
 	st := *pool.Status.DeepCopy()
-	gen := pool.Generation
-	set := func(t string, ok bool, reason, msg string) {
-		status := metav1.ConditionFalse
-		if ok {
-			status = metav1.ConditionTrue
-		}
-		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg,
-			ObservedGeneration: gen, LastTransitionTime: metav1.NewTime(now)})
-	}
+	set := conditionSetter(&st.Conditions, pool.Generation, now)
 	switch {
 	case obs.invalid != "":
 		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonInvalid, obs.invalid)
@@ -81,7 +72,7 @@ func computePoolStatus(pool *v1alpha1.EnforcerPool, obs poolObservation, reconci
 		st.Policies, st.ReplicaStatuses = poolPolicies(obs.pods), poolReplicas(obs.pods)
 	}
 	if reconciled {
-		st.ObservedGeneration = gen
+		st.ObservedGeneration = pool.Generation
 	}
 	return st
 }

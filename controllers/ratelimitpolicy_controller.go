@@ -492,20 +492,28 @@ func (r *RateLimitPolicyReconciler) writeStatus(ctx context.Context, before, p *
 		return 0, client.IgnoreNotFound(err)
 	}
 	r.mem.written.Store(key, now)
+	recordTransitions(r.Recorder, p, before.Status.Conditions, p.Status.Conditions)
+	return 0, nil
+}
+
+// recordTransitions records an event on obj, a policy or a pool, for each of Accepted, Ready and
+// Degraded whose status changed from before to after, or that is news at first (newsAtFirst):
+// a Warning when it tells of a problem.
+func recordTransitions(rec events.EventRecorder, obj runtime.Object, before, after []metav1.Condition) {
+	if rec == nil {
+		return
+	}
 	for _, t := range []string{v1alpha1.ConditionAccepted, v1alpha1.ConditionReady, v1alpha1.ConditionDegraded} {
-		old, cur := meta.FindStatusCondition(before.Status.Conditions, t), meta.FindStatusCondition(p.Status.Conditions, t)
+		old, cur := meta.FindStatusCondition(before, t), meta.FindStatusCondition(after, t)
 		if cur == nil || old != nil && old.Status == cur.Status || old == nil && !newsAtFirst(cur) {
 			continue
 		}
 		kind := corev1.EventTypeNormal
-		if (t == v1alpha1.ConditionDegraded) == (cur.Status == "True") {
+		if (t == v1alpha1.ConditionDegraded) == (cur.Status == metav1.ConditionTrue) {
 			kind = corev1.EventTypeWarning
 		}
-		if r.Recorder != nil {
-			r.Recorder.Eventf(p, nil, kind, cur.Reason, t, "%s is %s: %s", t, cur.Status, cur.Message)
-		}
+		rec.Eventf(obj, nil, kind, cur.Reason, t, "%s is %s: %s", t, cur.Status, cur.Message)
 	}
-	return 0, nil
 }
 
 // newsAtFirst tells whether a condition's first status is worth an event: only a problem the
@@ -656,7 +664,7 @@ func (r *RateLimitPolicyReconciler) redisPassword(ctx context.Context, p *v1alph
 			return &notOwnedError{kind: "Secret", name: key.Name}
 		}
 		if password := live.Data[render.RedisPasswordKey]; len(password) > 0 {
-			render.WithRedisPassword(objs, p, string(password))
+			objs.WithRedisPassword(string(password))
 			return nil
 		}
 	case !apierrors.IsNotFound(err):
@@ -664,7 +672,7 @@ func (r *RateLimitPolicyReconciler) redisPassword(ctx context.Context, p *v1alph
 	}
 	secret := make([]byte, 32)
 	_, _ = rand.Read(secret) // never fails: crypto/rand crashes the program instead
-	render.WithRedisPassword(objs, p, hex.EncodeToString(secret))
+	objs.WithRedisPassword(hex.EncodeToString(secret))
 	if err == nil {
 		return nil // the emptied Secret gets the new password applied
 	}

@@ -66,15 +66,7 @@ type replica struct {
 // changes transitions at now; one whose status does not keeps its transition time.
 func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool, now time.Time) v1alpha1.RateLimitPolicyStatus {
 	st := *p.Status.DeepCopy()
-	gen := p.Generation
-	set := func(t string, ok bool, reason, msg string) {
-		status := metav1.ConditionFalse
-		if ok {
-			status = metav1.ConditionTrue
-		}
-		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg,
-			ObservedGeneration: gen, LastTransitionTime: metav1.NewTime(now)})
-	}
+	set := conditionSetter(&st.Conditions, p.Generation, now)
 
 	switch {
 	case obs.invalid != "":
@@ -123,7 +115,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 	st.RuleNames = ruleNames(p.Spec.Rules)
 	st.Rules, st.Limited = ruleCounts(p, obs.counts)
 	if reconciled {
-		st.ObservedGeneration = gen
+		st.ObservedGeneration = p.Generation
 	}
 	return st
 }
@@ -283,4 +275,18 @@ func share(part, whole uint64) string {
 		return ""
 	}
 	return fmt.Sprintf("%.1f%%", 100*float64(part)/float64(whole))
+}
+
+// conditionSetter returns a function that sets a condition of generation gen on conds, True
+// when ok: one whose status changes transitions at now, one whose status does not keeps its
+// transition time (meta.SetStatusCondition).
+func conditionSetter(conds *[]metav1.Condition, gen int64, now time.Time) func(t string, ok bool, reason, msg string) {
+	return func(t string, ok bool, reason, msg string) {
+		status := metav1.ConditionFalse
+		if ok {
+			status = metav1.ConditionTrue
+		}
+		meta.SetStatusCondition(conds, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg,
+			ObservedGeneration: gen, LastTransitionTime: metav1.NewTime(now)})
+	}
 }

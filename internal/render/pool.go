@@ -6,10 +6,7 @@ import (
 	"fmt"
 	"strings"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	networkingv1 "k8s.io/api/networking/v1"
-	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -23,49 +20,15 @@ import (
 	"github.com/sluice-dev/sluice/internal/settings"
 )
 
-// PoolObjects are the desired objects of one EnforcerPool, in apply order. The policies' configs
-// are not among them: each policy renders its own (PoolConfigMap).
+// PoolObjects are the desired objects of one EnforcerPool, in apply order: its Workload, whose
+// Service has the check, RLS and admin ports and no proxy. The policies' configs are not among
+// them: each policy renders its own (PoolConfigMap).
 type PoolObjects struct {
-	// ServiceAccount, Role and RoleBinding let the enforcers list and watch the ConfigMaps of
-	// the pool's namespace.
-	ServiceAccount *corev1.ServiceAccount
-	Role           *rbacv1.Role
-	RoleBinding    *rbacv1.RoleBinding
-	Deployment     *appsv1.Deployment
-	// Service has the check and RLS ports and the admin port, no proxy.
-	Service *corev1.Service
-	// PDB is nil with one replica; NetworkPolicy nil when Defaults.NetworkPolicy is.
-	PDB           *policyv1.PodDisruptionBudget
-	NetworkPolicy *networkingv1.NetworkPolicy
-	// Redis objects are nil without managedRedis, as a policy's.
-	RedisDeployment    *appsv1.Deployment
-	RedisService       *corev1.Service
-	RedisPDB           *policyv1.PodDisruptionBudget
-	RedisSecret        *corev1.Secret
-	RedisNetworkPolicy *networkingv1.NetworkPolicy
+	Workload
 }
 
 // All are the objects that exist for the pool.
-func (o *PoolObjects) All() []client.Object {
-	objs := []client.Object{o.ServiceAccount, o.Role, o.RoleBinding}
-	if o.NetworkPolicy != nil {
-		objs = append(objs, o.NetworkPolicy)
-	}
-	if o.RedisSecret != nil {
-		objs = append(objs, o.RedisSecret)
-	}
-	if o.RedisService != nil {
-		objs = append(objs, o.RedisDeployment, o.RedisService, o.RedisPDB)
-	}
-	if o.RedisNetworkPolicy != nil {
-		objs = append(objs, o.RedisNetworkPolicy)
-	}
-	objs = append(objs, o.Deployment, o.Service)
-	if o.PDB != nil {
-		objs = append(objs, o.PDB)
-	}
-	return objs
-}
+func (o *PoolObjects) All() []client.Object { return o.objects() }
 
 // PoolName is the name of the pool's objects: "sluice-pool-<pool>", made a DNS-1035 label as
 // Name makes a policy's.
@@ -168,15 +131,6 @@ func Pool(p *v1alpha1.EnforcerPool, d Defaults) *PoolObjects {
 	}
 	o.Deployment, o.Service, o.PDB, o.NetworkPolicy = w.enforcer(c, d)
 	return o
-}
-
-// WithPoolRedisPassword completes the pool's managed Redis with its Secret, as
-// WithRedisPassword does a policy's.
-func WithPoolRedisPassword(o *PoolObjects, password string) {
-	if o.RedisDeployment == nil {
-		return
-	}
-	o.RedisSecret, o.RedisDeployment.Spec.Template.Annotations = redisSecret(o.RedisDeployment, password)
 }
 
 // PoolConfigMapName is the name of a pooled policy's ConfigMap in the pool's namespace:

@@ -106,7 +106,18 @@ type NetworkPolicyDefaults struct {
 // Objects are the desired objects of one policy, in apply order.
 type Objects struct {
 	ConfigMap *corev1.ConfigMap
-	// ServiceAccount, Role and RoleBinding let the enforcer watch its ConfigMap.
+	Workload
+	// Bypass keeps clients from reaching the target's pods around the enforcer; nil without
+	// targetRef.bypassProtection or without the target Service. See Bypass.
+	Bypass *networkingv1.NetworkPolicy
+	// Revision identifies the compiled config.
+	Revision string
+}
+
+// Workload are the objects of a set of enforcers, a policy's own or a pool's.
+type Workload struct {
+	// ServiceAccount, Role and RoleBinding let the enforcers list and watch the ConfigMaps they
+	// serve: a policy's own, or those of the pool's namespace labelled with the pool.
 	ServiceAccount *corev1.ServiceAccount
 	Role           *rbacv1.Role
 	RoleBinding    *rbacv1.RoleBinding
@@ -114,9 +125,6 @@ type Objects struct {
 	Service        *corev1.Service
 	// PDB is nil with one replica.
 	PDB *policyv1.PodDisruptionBudget
-	// Bypass keeps clients from reaching the target's pods around the enforcer; nil without
-	// targetRef.bypassProtection or without the target Service. See Bypass.
-	Bypass *networkingv1.NetworkPolicy
 	// NetworkPolicy admits traffic to the enforcer pods; nil when Defaults.NetworkPolicy is.
 	NetworkPolicy *networkingv1.NetworkPolicy
 	// Redis objects are nil without managedRedis. RedisSecret holds its password, which the
@@ -125,32 +133,36 @@ type Objects struct {
 	RedisService    *corev1.Service
 	RedisPDB        *policyv1.PodDisruptionBudget
 	RedisSecret     *corev1.Secret
-	// RedisNetworkPolicy admits the managed Redis's port from the policy's enforcer pods alone;
-	// nil when Defaults.NetworkPolicy is.
+	// RedisNetworkPolicy admits the managed Redis's port from the enforcer pods alone; nil when
+	// Defaults.NetworkPolicy is.
 	RedisNetworkPolicy *networkingv1.NetworkPolicy
-	// Revision identifies the compiled config.
-	Revision string
+}
+
+// objects are the workload's objects that exist, in apply order.
+func (w *Workload) objects() []client.Object {
+	objs := []client.Object{w.ServiceAccount, w.Role, w.RoleBinding}
+	if w.NetworkPolicy != nil {
+		objs = append(objs, w.NetworkPolicy)
+	}
+	if w.RedisSecret != nil {
+		objs = append(objs, w.RedisSecret)
+	}
+	if w.RedisService != nil {
+		objs = append(objs, w.RedisDeployment, w.RedisService, w.RedisPDB)
+	}
+	if w.RedisNetworkPolicy != nil {
+		objs = append(objs, w.RedisNetworkPolicy)
+	}
+	objs = append(objs, w.Deployment, w.Service)
+	if w.PDB != nil {
+		objs = append(objs, w.PDB)
+	}
+	return objs
 }
 
 // All are the objects that exist for the policy.
 func (o *Objects) All() []client.Object {
-	objs := []client.Object{o.ConfigMap, o.ServiceAccount, o.Role, o.RoleBinding}
-	if o.NetworkPolicy != nil {
-		objs = append(objs, o.NetworkPolicy)
-	}
-	if o.RedisSecret != nil {
-		objs = append(objs, o.RedisSecret)
-	}
-	if o.RedisService != nil {
-		objs = append(objs, o.RedisDeployment, o.RedisService, o.RedisPDB)
-	}
-	if o.RedisNetworkPolicy != nil {
-		objs = append(objs, o.RedisNetworkPolicy)
-	}
-	objs = append(objs, o.Deployment, o.Service)
-	if o.PDB != nil {
-		objs = append(objs, o.PDB)
-	}
+	objs := append([]client.Object{o.ConfigMap}, o.objects()...)
 	if o.Bypass != nil {
 		objs = append(objs, o.Bypass)
 	}
@@ -818,14 +830,15 @@ const (
 var RedisReadinessCommand = []string{"sh", "-c",
 	fmt.Sprintf(`test "$(REDISCLI_AUTH="$(cat %s/%s)" redis-cli -h 127.0.0.1 -p %d ping)" = PONG`, RedisConfigDir, RedisPasswordKey, RedisPort)}
 
-// WithRedisPassword completes the managed Redis of o with its Secret, holding password, and the
-// digest of password on the Redis pod template. Rendering stays pure: the controller generates
-// the password once and passes the one it finds from then on.
-func WithRedisPassword(o *Objects, _ *v1alpha1.RateLimitPolicy, password string) {
-	if o.RedisDeployment == nil {
+// WithRedisPassword completes the managed Redis of a policy's or a pool's workload with its
+// Secret, holding password, and the digest of password on the Redis pod template. Rendering
+// stays pure: the controller generates the password once and passes the one it finds from then
+// on.
+func (w *Workload) WithRedisPassword(password string) {
+	if w.RedisDeployment == nil {
 		return
 	}
-	o.RedisSecret, o.RedisDeployment.Spec.Template.Annotations = redisSecret(o.RedisDeployment, password)
+	w.RedisSecret, w.RedisDeployment.Spec.Template.Annotations = redisSecret(w.RedisDeployment, password)
 }
 
 // redisSecret is a managed Redis's Secret, holding password, and the annotations of its pod

@@ -65,7 +65,7 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 				t.Fatal(err)
 			}
 			// The controller generates the managed Redis's password; a fixed one here.
-			render.WithRedisPassword(objs, p, "golden-password")
+			objs.WithRedisPassword("golden-password")
 			var docs []string
 			for _, o := range objs.All() {
 				out, err := yaml.Marshal(o)
