@@ -10,7 +10,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/internal/report"
 )
 
 // poolObservation is what one reconcile of a pool learned. Its status is a pure function of it.
@@ -123,20 +122,9 @@ func poolReadiness(obs poolObservation) (int32, bool, string, string) {
 // poolDegradation tells what weakens the pool: a replica's store that does not answer, in its
 // words, or a policy a replica refused.
 func poolDegradation(obs poolObservation) (bool, string, string) {
-	pods := slices.Clone(obs.pods)
-	slices.SortFunc(pods, func(a, b replica) int { return strings.Compare(a.pod, b.pod) })
-	for _, r := range pods {
-		if r.report == nil || r.report.Store.Connected {
-			continue
-		}
-		reason := v1alpha1.ReasonRedisUnreachable
-		switch r.report.Store.Cause {
-		case report.CauseAuthentication:
-			reason = v1alpha1.ReasonRedisAuthenticationFailed
-		case report.CauseTLS:
-			reason = v1alpha1.ReasonRedisTLSFailed
-		}
-		return true, reason, "replica " + r.pod + ": " + r.report.Store.Message
+	pods := byName(obs.pods)
+	if reason, msg := storeDegradation(pods); reason != "" {
+		return true, reason, msg
 	}
 	for _, r := range pods {
 		if r.report != nil && len(r.report.Refused) > 0 {

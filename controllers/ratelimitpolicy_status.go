@@ -198,8 +198,25 @@ func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, st
 	if obs.targetMissing {
 		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the enforcer has nothing to forward to"
 	}
-	pods := slices.Clone(obs.pods)
+	if reason, msg := storeDegradation(byName(obs.pods)); reason != "" {
+		return true, reason, msg
+	}
+	if obs.redisUnreachable != "" {
+		return true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
+	}
+	return false, v1alpha1.ReasonAsExpected, ""
+}
+
+// byName returns the replicas sorted by pod name, so that what status tells of them is stable.
+func byName(pods []replica) []replica {
+	pods = slices.Clone(pods)
 	slices.SortFunc(pods, func(a, b replica) int { return strings.Compare(a.pod, b.pod) })
+	return pods
+}
+
+// storeDegradation tells of the first replica whose report says its store does not answer: the
+// reason its cause gives, and its words; "" when every reporting replica's store answers.
+func storeDegradation(pods []replica) (reason, msg string) {
 	for _, r := range pods {
 		if r.report == nil || r.report.Store.Connected {
 			continue
@@ -211,12 +228,9 @@ func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, st
 		case report.CauseTLS:
 			reason = v1alpha1.ReasonRedisTLSFailed
 		}
-		return true, reason, "replica " + r.pod + ": " + r.report.Store.Message
+		return reason, "replica " + r.pod + ": " + r.report.Store.Message
 	}
-	if obs.redisUnreachable != "" {
-		return true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
-	}
-	return false, v1alpha1.ReasonAsExpected, ""
+	return "", ""
 }
 
 // maxRuleNames is the length bound of status.ruleNames, its schema's maxLength.
