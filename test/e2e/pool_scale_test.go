@@ -19,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -150,7 +151,34 @@ func BenchmarkPoolPoliciesReachReady(b *testing.B) {
 				profiling.Go(func() { saveProfile(b, filepath.Join(profiles, file), "http://"+pprofAddr+path) })
 			}
 		}
+		// Ready is counted from a watch: listing thousands of policies each second would load the
+		// API server whose work is measured.
+		w, err := k8s.Watch(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace(ns))
+		if err != nil {
+			b.Fatal(err)
+		}
 		start := time.Now()
+		allReady := make(chan time.Duration, 1)
+		go func() {
+			defer w.Stop()
+			defer close(allReady)
+			isReady, count := map[string]bool{}, 0
+			for ev := range w.ResultChan() {
+				p, ok := ev.Object.(*v1alpha1.RateLimitPolicy)
+				if !ok {
+					continue
+				}
+				now := ev.Type != watch.Deleted && meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionReady)
+				if now != isReady[p.Name] {
+					isReady[p.Name] = now
+					count += map[bool]int{true: 1, false: -1}[now]
+				}
+				if count == n {
+					allReady <- time.Since(start)
+					return
+				}
+			}
+		}()
 		profile("pool-rollout.pprof", "/debug/pprof/profile?seconds=60")
 		if profiles != "" {
 			profiling.Go(func() {
@@ -160,24 +188,14 @@ func BenchmarkPoolPoliciesReachReady(b *testing.B) {
 		populatePooled(b, k8s, ns, n, creators, pool.Name)
 		created := time.Since(start)
 		var ready time.Duration
-		for ready == 0 {
-			var list v1alpha1.RateLimitPolicyList
-			if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
-				b.Fatal(err)
+		select {
+		case d, ok := <-allReady:
+			if !ok {
+				b.Fatal("the watch of the policies ended before every one was Ready")
 			}
-			r := 0
-			for _, pol := range list.Items {
-				if meta.IsStatusConditionTrue(pol.Status.Conditions, v1alpha1.ConditionReady) {
-					r++
-				}
-			}
-			if r == n {
-				ready = time.Since(start)
-			}
-			if time.Since(start) > 30*time.Minute {
-				b.Fatalf("after 30 minutes: %d of %d Ready", r, n)
-			}
-			time.Sleep(time.Second) // the count's pace: Ready is read once a second
+			ready = d
+		case <-time.After(30 * time.Minute):
+			b.Fatalf("after 30 minutes, not every one of %d policies is Ready", n)
 		}
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil {
