@@ -271,7 +271,9 @@ func TestProxyWhenAnH2CClientOpensMoreStreamsThanTheBoundThenTheExtraOneIsReset(
 // An upstream's response header block of MaxHeaderBytes passes through both proxies, a body
 // behind it, and one byte more is 502 (fasthttp's default had made 4 KiB and one byte a 502:
 // an upstream's large cookies). The HTTP/1.1 client reaches the fasthttp path, the h2c client
-// net/http's.
+// net/http's, and /held, under a concurrency rule, the fasthttp path's connection of its own.
+// An HTTP/1.1 connection that carried a header block over 8 KiB is closed after it, as after a
+// large request header: idle, it would keep the buffers that held it.
 func TestProxyWhenAnUpstreamHeaderBlockIsAtTheBoundThenItPassesAndPastItIs502(t *testing.T) {
 	body := strings.Repeat("b", 16<<10)
 	up := &upstream{Server: httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -294,6 +296,9 @@ func TestProxyWhenAnUpstreamHeaderBlockIsAtTheBoundThenItPassesAndPastItIs502(t 
 	t.Cleanup(up.Close)
 	e := start(t, policyDoc("headers", `    - name: any
       fixedWindow: {limit: 1000, window: 1h}
+    - name: held
+      match: {path: {type: Prefix, value: /held}}
+      concurrency: {limit: 4}
 `), up, nil)
 	var protocols http.Protocols
 	protocols.SetUnencryptedHTTP2(true)
@@ -304,15 +309,21 @@ func TestProxyWhenAnUpstreamHeaderBlockIsAtTheBoundThenItPassesAndPastItIs502(t 
 		{"HTTP/1.1", &http.Client{Transport: &http.Transport{}, Timeout: 10 * time.Second}},
 		{"h2c", &http.Client{Transport: &http.Transport{Protocols: &protocols}, Timeout: 10 * time.Second}},
 	} {
-		for size, want := range map[int]int{4<<10 + 1: http.StatusOK, enforcer.MaxHeaderBytes: http.StatusOK, enforcer.MaxHeaderBytes + 1: http.StatusBadGateway} {
-			resp, err := c.client.Get(fmt.Sprintf("%s/headers?size=%d", e.proxy, size))
-			if err != nil {
-				t.Fatalf("%s, a header block of %d bytes: %v", c.name, size, err)
-			}
-			got, _ := io.ReadAll(resp.Body)
-			_ = resp.Body.Close()
-			if resp.StatusCode != want || want == http.StatusOK && (string(got) != body || len(resp.Header.Get("Set-Cookie")) < size-200) {
-				t.Errorf("%s, a header block of %d bytes: %d with a body of %d bytes and a cookie of %d, want %d", c.name, size, resp.StatusCode, len(got), len(resp.Header.Get("Set-Cookie")), want)
+		for _, path := range []string{"/headers", "/held"} {
+			for size, want := range map[int]int{1 << 10: http.StatusOK, 8<<10 + 1: http.StatusOK, enforcer.MaxHeaderBytes: http.StatusOK, enforcer.MaxHeaderBytes + 1: http.StatusBadGateway} {
+				resp, err := c.client.Get(fmt.Sprintf("%s%s?size=%d", e.proxy, path, size))
+				if err != nil {
+					t.Fatalf("%s %s, a header block of %d bytes: %v", c.name, path, size, err)
+				}
+				got, _ := io.ReadAll(resp.Body)
+				_ = resp.Body.Close()
+				if resp.StatusCode != want || want == http.StatusOK && (string(got) != body || len(resp.Header.Get("Set-Cookie")) < size-200) {
+					t.Errorf("%s %s, a header block of %d bytes: %d with a body of %d bytes and a cookie of %d, want %d",
+						c.name, path, size, resp.StatusCode, len(got), len(resp.Header.Get("Set-Cookie")), want)
+				}
+				if closed := size > 8<<10; c.name == "HTTP/1.1" && want == http.StatusOK && resp.Close != closed {
+					t.Errorf("%s %s, a header block of %d bytes: connection closed after it %v, want %v", c.name, path, size, resp.Close, closed)
+				}
 			}
 		}
 	}

@@ -152,9 +152,10 @@ func (p *fastProxy) serve(ctx *fasthttp.RequestCtx) {
 	removeHopHeaders(&ctx.Response.Header)
 	// After the upstream's fields, which the response now holds.
 	v.write(ctx.Response.Header.Set)
-	if len(req.Header.RawHeaders()) > maxIdleHeaderBytes {
-		// fasthttp keeps a connection's request buffers at their largest while it idles: a
-		// connection that carried a large header block is closed, not kept holding them.
+	if len(req.Header.RawHeaders()) > maxIdleHeaderBytes || largeHeader(&ctx.Response.Header) {
+		// fasthttp keeps a connection's request and response buffers at their largest while it
+		// idles: a connection that carried a large header block, either way, is closed, not
+		// kept holding them.
 		ctx.SetConnectionClose()
 	}
 }
@@ -228,7 +229,7 @@ func (p *fastProxy) forwardHeld(ctx *fasthttp.RequestCtx, req *fasthttp.Request,
 	if p.headerTimeout > 0 {
 		_ = conn.SetReadDeadline(time.Now().Add(p.headerTimeout))
 	}
-	if err := up.Read(bufio.NewReader(conn)); err != nil {
+	if err := up.Read(bufio.NewReaderSize(conn, MaxHeaderBytes)); err != nil { // the buffer bounds the header block
 		gone := watch.stop()
 		_ = conn.Close()
 		fasthttp.ReleaseResponse(up)
@@ -336,6 +337,17 @@ func fastFields(h *fasthttp.ResponseHeader) func(name string) []string {
 
 // maxIdleHeaderBytes is the largest header block after which a proxy connection is kept alive.
 const maxIdleHeaderBytes = 8 << 10
+
+// largeHeader reports whether a response's fields take more than maxIdleHeaderBytes.
+func largeHeader(h *fasthttp.ResponseHeader) bool {
+	n := 0
+	for k, v := range h.All() {
+		if n += len(k) + len(v) + len(": \r\n"); n > maxIdleHeaderBytes {
+			return true
+		}
+	}
+	return false
+}
 
 // b2s is a string that shares a byte slice's memory, for reading fasthttp's request fields
 // during the request, which owns them: nothing may keep it past the handler.
