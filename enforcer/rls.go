@@ -59,14 +59,15 @@ const (
 )
 
 func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
+	// The bound first: a refusal answers a status for each descriptor.
+	if n := len(req.GetDescriptors()); n > MaxRLSDescriptors {
+		return nil, status.Errorf(codes.ResourceExhausted, "%d descriptors: at most %d are decided in one call", n, MaxRLSDescriptors)
+	}
 	domain := req.GetDomain()
 	byDomain := s.limiter.Policy(domain) != nil
 	if !byDomain && !slices.ContainsFunc(req.GetDescriptors(), namesPolicy) {
 		return notServed(req, fmt.Sprintf("domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>, "+
 			"or each descriptor names its policy with an entry %q", abbreviate(domain), EntryPolicy)), nil
-	}
-	if n := len(req.GetDescriptors()); n > MaxRLSDescriptors {
-		return nil, status.Errorf(codes.ResourceExhausted, "%d descriptors: at most %d are decided in one call", n, MaxRLSDescriptors)
 	}
 	reqs := make([]limiter.Request, len(req.GetDescriptors()))
 	for i, d := range req.GetDescriptors() {

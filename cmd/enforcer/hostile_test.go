@@ -229,6 +229,12 @@ func TestEnforcerBinaryWhenRLSCallsAreOversizedThenTheyAreRefusedAndTheProcessLi
 		if got := grpcstatus.Code(err); got != want {
 			t.Errorf("%d descriptors: %v (%v), want %v", n, got, err, want)
 		}
+		// A domain served nowhere is held to the same bound, before its refusal, which answers
+		// a status for each descriptor.
+		_, err = c.ShouldRateLimit(ctx, &rlsv3.RateLimitRequest{Domain: "nowhere", Descriptors: descriptors(n)})
+		if got := grpcstatus.Code(err); n > 32 && got != codes.ResourceExhausted {
+			t.Errorf("%d descriptors for a domain served nowhere: %v (%v), want %v", n, got, err, codes.ResourceExhausted)
+		}
 	}
 	entries := make([]*rlv3.RateLimitDescriptor_Entry, 17)
 	for i := range entries {
