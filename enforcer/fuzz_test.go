@@ -498,9 +498,10 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 			resp, err := r.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/fuzz", Descriptors: []*rlv3.RateLimitDescriptor{{
 				Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "method", Value: method}, {Key: "path", Value: target}, {Key: "x-api-key", Value: key},
 					{Key: "remote_address", Value: "192.0.2.1"}}}}})
+			if _, notDecided := RefusedMalformed(resp, err); notDecided == nil {
+				return http.StatusBadRequest // refused as the HTTP front ends answer 400 or 414
+			}
 			switch {
-			case status.Code(err) == codes.InvalidArgument:
-				return http.StatusBadRequest
 			case err != nil:
 				t.Fatalf("RLS: %v", err)
 			case resp.GetOverallCode() == rlsv3.RateLimitResponse_OVER_LIMIT:

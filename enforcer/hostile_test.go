@@ -96,9 +96,9 @@ func TestProxyWhenAKeyHeaderIsRepeatedThen400AndNothingIsCharged(t *testing.T) {
 		t.Errorf("check API: %d, want 400", s)
 	}
 	c, _ := rlsClient(t, e)
-	if _, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/repeat",
-		Descriptors: []*rlv3.RateLimitDescriptor{descriptor("x-api-key", "alice", "x-api-key", "new")}}); status.Code(err) != codes.InvalidArgument {
-		t.Errorf("RLS: %v, want INVALID_ARGUMENT", err)
+	if _, err := enforcer.RefusedMalformed(c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/repeat",
+		Descriptors: []*rlv3.RateLimitDescriptor{descriptor("x-api-key", "alice", "x-api-key", "new")}})); err != nil {
+		t.Errorf("RLS: %v", err)
 	}
 	// alice's one request is still hers: nothing above was charged.
 	for i, want := range []int{200, 429} {
@@ -245,19 +245,18 @@ func TestRLSWhenDescriptorsMatchMoreRulesThanTheBoundThenRefused(t *testing.T) {
 	}
 	e := start(t, policyDoc("many", rules.String()), nil, nil, withRLS)
 	c, _ := rlsClient(t, e)
-	call := func(n int) error {
+	call := func(n int) (*rlsv3.RateLimitResponse, error) {
 		ds := make([]*rlv3.RateLimitDescriptor, n)
 		for i := range ds {
 			ds[i] = descriptor("x-user", fmt.Sprint("u", i))
 		}
-		_, err := c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/many", Descriptors: ds})
-		return err
+		return c.ShouldRateLimit(context.Background(), &rlsv3.RateLimitRequest{Domain: "test/many", Descriptors: ds})
 	}
-	if err := call(2); err != nil { // 64 rules: at the bound
-		t.Errorf("2 descriptors of 32 rules each: %v, want OK", err)
+	if r, err := call(2); err != nil || r.GetOverallCode() != rlsv3.RateLimitResponse_OK { // 64 rules: at the bound
+		t.Errorf("2 descriptors of 32 rules each: %v, %v, want OK", r.GetOverallCode(), err)
 	}
-	if err := call(3); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "64 rules") {
-		t.Errorf("3 descriptors of 32 rules each: %v, want INVALID_ARGUMENT naming the bound", err)
+	if detail, err := enforcer.RefusedMalformed(call(3)); err != nil || !strings.Contains(detail, "64 rules") {
+		t.Errorf("3 descriptors of 32 rules each: %q, %v; want the bound named", detail, err)
 	}
 }
 

@@ -2,6 +2,7 @@ package enforcer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -66,7 +67,7 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	domain := req.GetDomain()
 	byDomain := s.limiter.Policy(domain) != nil
 	if !byDomain && !slices.ContainsFunc(req.GetDescriptors(), namesPolicy) {
-		return notServed(req, fmt.Sprintf("domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>, "+
+		return refuse(req, notServedProblem, fmt.Sprintf("domain %q: no policy of that name is served here; the domain is the policy's <namespace>/<name>, "+
 			"or each descriptor names its policy with an entry %q", abbreviate(domain), EntryPolicy)), nil
 	}
 	reqs := make([]limiter.Request, len(req.GetDescriptors()))
@@ -84,19 +85,23 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		// Saturated, not wrapped: 2^63 and above would turn negative, and then into 1.
 		hits := int64(min(addend, math.MaxInt64))
 		r, named, err := descriptorRequest(d)
-		if err != nil {
+		var bad *contentError
+		switch {
+		case errors.As(err, &bad):
+			return refuse(req, malformedProblem, fmt.Sprintf("descriptor %d: %s", i, bad.detail)), nil
+		case err != nil:
 			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: %v", i, err)
 		}
 		switch {
 		case named == "" && !byDomain:
-			return notServed(req, fmt.Sprintf("descriptor %d names no policy: the domain %q is no policy served here; "+
+			return refuse(req, notServedProblem, fmt.Sprintf("descriptor %d names no policy: the domain %q is no policy served here; "+
 				"name one with an entry %q", i, abbreviate(domain), EntryPolicy)), nil
 		case named == "":
 			named = domain
 		case byDomain && named != domain:
-			return notServed(req, fmt.Sprintf("descriptor %d names policy %q, the domain %q", i, abbreviate(named), abbreviate(domain))), nil
+			return refuse(req, notServedProblem, fmt.Sprintf("descriptor %d names policy %q, the domain %q", i, abbreviate(named), abbreviate(domain))), nil
 		case s.limiter.Policy(named) == nil:
-			return notServed(req, fmt.Sprintf("descriptor %d: %s", i, limiter.NotServed(named))), nil
+			return refuse(req, notServedProblem, fmt.Sprintf("descriptor %d: %s", i, limiter.NotServed(named))), nil
 		}
 		r.Policy, r.Hits, r.KeysRequired = named, max(1, hits), true
 		reqs[i] = r
@@ -109,7 +114,7 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	}
 	switch overall.Outcome {
 	case limiter.Invalid:
-		return nil, status.Error(codes.InvalidArgument, overall.Reason)
+		return refuse(req, malformedProblem, overall.Reason), nil
 	case limiter.Unavailable:
 		// A fail-closed rule whose store cannot answer: Envoy applies its failure_mode_deny.
 		return nil, status.Errorf(codes.Unavailable, "the rate-limit store is unavailable and rule %q fails closed", overall.Rule.Name)
@@ -137,18 +142,35 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	return resp, nil
 }
 
-// notServed answers a call for a policy not served here: OVER_LIMIT, for every descriptor and
-// whatever Envoy's failure mode, with the reason as the body of the 429 Envoy sends.
-func notServed(req *rlsv3.RateLimitRequest, reason string) *rlsv3.RateLimitResponse {
+// The problem types of an RLS call that Sluice does not decide.
+const (
+	notServedProblem = "https://sluice.dev/problems/policy-not-served"
+	malformedProblem = "https://sluice.dev/problems/malformed-request"
+)
+
+// refuse answers a call that Sluice does not decide, for a policy not served here or for what
+// the request carries (a path that does not parse or is too long, more rules than a decision
+// takes): OVER_LIMIT for every descriptor, whatever Envoy's failure mode, since an error is let
+// through unlimited under Envoy's default (failure_mode_deny: false); with a problem body of
+// typ naming why, which Envoy sends with its 429. What Envoy's own configuration gets wrong (too
+// many descriptors or entries, negative hits, a repeated entry) stays an error.
+func refuse(req *rlsv3.RateLimitRequest, typ, detail string) *rlsv3.RateLimitResponse {
 	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OVER_LIMIT}
 	for range req.GetDescriptors() { // Envoy expects a status for each
 		resp.Statuses = append(resp.Statuses, &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OVER_LIMIT})
 	}
-	resp.RawBody = malformed(func(name, value string) {
-		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, &corev3.HeaderValue{Key: name, Value: value})
-	}, http.StatusTooManyRequests, reason)
+	resp.RawBody, _ = json.Marshal(problem{Type: typ, Title: http.StatusText(http.StatusTooManyRequests), Status: http.StatusTooManyRequests, Detail: detail})
+	resp.RawBody = append(resp.RawBody, '\n')
+	for _, h := range [][2]string{{"Content-Type", "application/problem+json"}, {"Cache-Control", "no-store"}} {
+		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, &corev3.HeaderValue{Key: h[0], Value: h[1]})
+	}
 	return resp
 }
+
+// contentError is a descriptor that the request's own content makes undecidable: its path.
+type contentError struct{ detail string }
+
+func (e *contentError) Error() string { return e.detail }
 
 // namesPolicy reports whether a descriptor names its policy (EntryPolicy).
 func namesPolicy(d *rlv3.RateLimitDescriptor) bool {
@@ -191,7 +213,7 @@ func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, string, er
 	}
 	r, bad := in.request()
 	if bad != nil {
-		return r, "", errors.New(bad.detail)
+		return r, "", &contentError{bad.detail}
 	}
 	if !hasPath {
 		r.Path = "" // a descriptor without a path carries none: rules keyed on it do not apply
