@@ -291,6 +291,11 @@ func (a *applier) applyOne(ctx context.Context, obj client.Object) error {
 func (a *applier) why(ctx context.Context, desired *unstructured.Unstructured, live client.Object,
 	request [sha256.Size]byte, last applied, seen bool) (string, error) {
 	switch err := a.client.Get(ctx, client.ObjectKeyFromObject(desired), live); {
+	case apierrors.IsNotFound(err) && desired.GetKind() == "Secret":
+		// The managed Redis's Secret is created by the reconcile that generates its password
+		// (redisPassword), never brought back by an apply: a reconcile that read it before it was
+		// deleted would bring back the old password that the deletion was to replace.
+		return "", nil
 	case apierrors.IsNotFound(err):
 		if !a.programmed {
 			return "the object does not exist", nil
