@@ -22,10 +22,12 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -714,16 +716,36 @@ func removeCRDs(t *testing.T) {
 	t.Helper()
 	ctx := context.Background()
 	names := []string{"ratelimitpolicies.ratelimit.sluice.dev", "enforcerpools.ratelimit.sluice.dev"}
+	// A CRD deleted while the API server still initializes its storage stays Terminating: its
+	// finalizer cannot list the instances ("storage is (re)initializing") and backs off for
+	// minutes. A list that succeeds first says the storage is up.
+	for _, kind := range []string{"RateLimitPolicyList", "EnforcerPoolList"} {
+		poll.WaitFor(t, 30*time.Second, func() error {
+			list := &unstructured.UnstructuredList{}
+			list.SetGroupVersionKind(schema.GroupVersionKind{Group: "ratelimit.sluice.dev", Version: "v1alpha1", Kind: kind})
+			err := k8s.List(ctx, list)
+			if meta.IsNoMatchError(err) || apierrors.IsNotFound(err) {
+				return nil // not installed: nothing to wait for
+			}
+			return err
+		})
+	}
 	for _, name := range names {
 		crd := &apiextensionsv1.CustomResourceDefinition{ObjectMeta: metav1.ObjectMeta{Name: name}}
 		if err := k8s.Delete(ctx, crd); err != nil && !apierrors.IsNotFound(err) {
 			t.Fatal(err)
 		}
 	}
-	poll.WaitFor(t, 30*time.Second, func() error {
+	// The API server removes a CRD once its finalizer has listed and deleted its objects and its
+	// storage has drained, which takes seconds, and more than 30 under CI's load.
+	poll.WaitFor(t, 2*time.Minute, func() error {
 		for _, name := range names {
-			if err := k8s.Get(ctx, client.ObjectKey{Name: name}, &apiextensionsv1.CustomResourceDefinition{}); !apierrors.IsNotFound(err) {
-				return fmt.Errorf("the CRD %s is not gone: %w", name, err)
+			crd := &apiextensionsv1.CustomResourceDefinition{}
+			switch err := k8s.Get(ctx, client.ObjectKey{Name: name}, crd); {
+			case err == nil:
+				return fmt.Errorf("the CRD %s is not gone yet (conditions %v)", name, crd.Status.Conditions)
+			case !apierrors.IsNotFound(err):
+				return err
 			}
 		}
 		return nil
