@@ -307,19 +307,21 @@ func TestReconcileWhenPolicyIsCreatedThenEnforcerObjectsAppearOwnedAndStatusFoll
 	}
 }
 
-// Events on transitions only: a new policy that rolls out is told once, when it turns Ready. Its
-// first Accepted, Degraded and Ready are the start of every policy, not news; each would be one
-// more write to the API server per policy.
+// Events on transitions only: a new policy that rolls out is told once, when it turns Ready after
+// a status that said it was on its way. Its first Accepted, Degraded and Ready are the start of
+// every policy, not news; each would be one more write to the API server per policy. Its
+// enforcers start only once that first status is written (after controllers.ProgressHold).
 func TestEventsWhenAPolicyRollsOutThenOnlyReadyIsTold(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "events")
 	targetService(t, ns, "api")
-	runEnforcers(t, ns)
 	p := newPolicy(ns, "rollout", "api")
 	p.Spec.Storage, p.Spec.Enforcer.Replicas = nil, ptr.To[int32](1)
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)
 	}
+	waitCondition(t, p, v1alpha1.ConditionReconciling, metav1.ConditionTrue, "")
+	runEnforcers(t, ns)
 	waitCondition(t, p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
 	var told []string
 	// The recorder writes in the order it was given events: once Ready's is there, so is any

@@ -12,3 +12,7 @@ func (r *RateLimitPolicyReconciler) PoolReconciler(c client.Client) reconcile.Re
 	cp.Client = c
 	return &poolReconciler{RateLimitPolicyReconciler: &cp, poolMemory: r.mem.poolMemory}
 }
+
+// ProgressHold is how long a new policy's first status waits to say Ready rather than
+// Reconciling.
+const ProgressHold = progressHold

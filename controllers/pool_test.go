@@ -28,6 +28,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/report"
@@ -748,5 +749,69 @@ func TestPoolWhenNothingChangedThenZeroWrites(t *testing.T) {
 	}
 	if after := versions(); after != before {
 		t.Errorf("resourceVersions moved: %s -> %s", before, after)
+	}
+}
+
+// A new policy's first status waits up to ProgressHold for its enforcers: a pool that serves it
+// within that time gets one status write, already Ready, and no event (nothing changed that the
+// status had said); one whose enforcers take longer is first written Reconciling, no sooner
+// than the hold. Either way nothing is written Reconciling first and Ready just after, the
+// two writes a policy cost the API server in a rollout of thousands.
+func TestPoolWhenANewPolicyIsServedWithinTheHoldThenItsFirstStatusIsReady(t *testing.T) {
+	ctx := context.Background()
+	ns := testenv.Namespace(t, k8s, "pool-first")
+	runEnforcers(t, ns)
+	targetService(t, ns, "api")
+	pool := newPool(ns, "shared", v1alpha1.NamespacesFromSame)
+	if err := k8s.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	waitPoolCondition(t, pool, v1alpha1.ConditionReady, metav1.ConditionTrue, "")
+	watcher, err := client.NewWithWatch(env.Config, client.Options{Scheme: k8s.Scheme()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := watcher.Watch(ctx, &v1alpha1.RateLimitPolicyList{}, client.InNamespace(ns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	p := pooled(ns, "first", "api", "", "shared")
+	created := time.Now()
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	type written struct {
+		after time.Duration
+		ready *metav1.Condition
+	}
+	var writes []written
+	timeout := time.After(30 * time.Second)
+	for len(writes) == 0 || writes[len(writes)-1].ready.Status != metav1.ConditionTrue {
+		select {
+		case ev := <-w.ResultChan():
+			if got, ok := ev.Object.(*v1alpha1.RateLimitPolicy); ok && got.Name == p.Name && len(got.Status.Conditions) > 0 {
+				writes = append(writes, written{time.Since(created), meta.FindStatusCondition(got.Status.Conditions, v1alpha1.ConditionReady)})
+			}
+		case <-timeout:
+			t.Fatalf("no Ready status in 30 s: %+v", writes)
+		}
+	}
+	if first := writes[0]; first.ready.Status != metav1.ConditionTrue && first.after < controllers.ProgressHold {
+		t.Errorf("the first status, %s after the create, says Ready=%s (%s): written before the %s hold", first.after, first.ready.Status, first.ready.Message, controllers.ProgressHold)
+	}
+	if len(writes) == 1 {
+		// Served within the hold: nothing was announced, so nothing is told.
+		var events eventsv1.EventList
+		if err := k8s.List(ctx, &events, client.InNamespace(ns)); err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range events.Items {
+			if e.Regarding.Kind == "RateLimitPolicy" {
+				t.Errorf("event %s %s %s of a policy whose first status was Ready", e.Type, e.Reason, e.Action)
+			}
+		}
+	} else {
+		t.Logf("the pool served the policy after the hold: %d status writes", len(writes))
 	}
 }
