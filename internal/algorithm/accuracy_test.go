@@ -178,7 +178,7 @@ func measureAccuracy(arrivals []arrival, limit int64) accuracy {
 		}
 		truth := c.bySWC.count(a.at, window)
 		if truth > 0 {
-			_, _, _, _, _, est := swc.windowEstimate(c.swc, a.at)
+			_, _, _, _, _, est := swc.windowEstimate(&c.swc, a.at)
 			errs = append(errs, math.Abs(est-float64(truth))/float64(truth)*100)
 		}
 		var dS, dF, dE Decision

@@ -165,13 +165,23 @@ func (l Limit) Take(st State, now time.Time, cost int64) (State, Decision) {
 // TakeAs is Take for the request named lease: under a concurrency limit, the lease it is admitted
 // with carries that ID, by which Release and Renew find it. Other limits ignore it.
 func (l Limit) TakeAs(st State, now time.Time, cost int64, lease string) (State, Decision) {
+	var d Decision
+	l.TakeIn(&st, now, cost, lease, &d)
+	return st, d
+}
+
+// TakeIn is TakeAs in place, for a hot path that copies nothing: st becomes the state after the
+// request, which the caller stores only if the request is charged, and d its decision. A caller
+// that keeps a copy of st from before may: a sliding log or a concurrency limit only appends to
+// st's slices, which never changes the elements the copy sees.
+func (l *Limit) TakeIn(st *State, now time.Time, cost int64, lease string, d *Decision) {
 	us := Micros(now)
 	if cost < 0 || cost > l.Limit {
-		next, d := l.take(st, us, 0, "")
+		l.step(st, us, 0, "", d)
 		d.Allowed, d.Never, d.RetryAfter, d.Wait = false, true, 0, 0
-		return next, d
+		return
 	}
-	return l.take(st, us, cost, lease)
+	l.step(st, us, cost, lease, d)
 }
 
 // Charge charges a request's cost once its response is known (a rule charged by the response):
@@ -244,21 +254,31 @@ func (l Limit) dropExpired(st State, now float64) State {
 }
 
 func (l Limit) take(st State, now float64, cost int64, lease string) (State, Decision) {
+	var d Decision
+	l.step(&st, now, cost, lease, &d)
+	return st, d
+}
+
+// step is take in place: st becomes the next state, d the decision. The algorithms work on
+// pointers so that a decision copies no state or decision on its way (the memory store's hot
+// path spent a third of its time copying them between the layers).
+func (l *Limit) step(st *State, now float64, cost int64, lease string, d *Decision) {
 	switch l.Kind {
 	case TokenBucket:
-		return l.tokenBucket(st, now, cost)
+		l.tokenBucket(st, now, cost, d)
 	case LeakyBucket:
-		return l.leakyBucket(st, now, cost)
+		l.leakyBucket(st, now, cost, d)
 	case FixedWindow:
-		return l.fixedWindow(st, now, cost)
+		l.fixedWindow(st, now, cost, d)
 	case SlidingLog:
-		return l.slidingLog(st, now, cost)
+		l.slidingLog(st, now, cost, d)
 	case SlidingWindowCounter:
-		return l.slidingWindowCounter(st, now, cost)
+		l.slidingWindowCounter(st, now, cost, d)
 	case Concurrency:
-		return l.concurrency(st, now, cost, lease)
+		l.concurrency(st, now, cost, lease, d)
+	default:
+		*d = Decision{}
 	}
-	return st, Decision{}
 }
 
 // windowEstimate reads a sliding window counter's state at now: the window length, the current
@@ -272,7 +292,7 @@ func (l Limit) take(st State, now float64, cost int64, lease string) (State, Dec
 // last unit of a window never fits. Half a unit lets it in for a client that sends at twice the
 // limit's rate or faster, and grows no worst case of the accuracy benchmark; a larger share
 // would let a burst timed just before the boundary through earlier (docs/benchmarks.md).
-func (l Limit) windowEstimate(st State, now float64) (window, idx, start, cur, prev, est float64) {
+func (l *Limit) windowEstimate(st *State, now float64) (window, idx, start, cur, prev, est float64) {
 	window = micros(l.Period)
 	idx = math.Floor(now / window)
 	start = idx * window
@@ -355,12 +375,12 @@ func dur(us float64) time.Duration {
 // tokenBucket is GCRA: a bucket of Limit tokens refilled at Rate per Period is the same as a
 // theoretical arrival time T that each token pushes forward by one interval, and that may run at
 // most Limit intervals ahead of now. Refill is lazy: nothing happens between requests.
-func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) {
+func (l *Limit) tokenBucket(st *State, now float64, cost int64, d *Decision) {
 	interval := micros(l.Period) / float64(l.Rate)
 	span := float64(l.Limit) * interval
 	base := fmax(st.T, now)
 	need := base - now + float64(float64(cost)*interval)
-	d := Decision{Limit: l.Limit, Allowed: need <= span+slackMicros}
+	*d = Decision{Limit: l.Limit, Allowed: need <= span+slackMicros}
 	if d.Allowed {
 		if cost > 0 {
 			st.T = later(base, float64(float64(cost)*interval))
@@ -371,20 +391,19 @@ func (l Limit) tokenBucket(st State, now float64, cost int64) (State, Decision) 
 	ahead := fmax(st.T, now) - now
 	d.Remaining = remaining(l.Limit, (span-ahead)/interval)
 	d.Reset = dur(ahead)
-	return st, d
 }
 
 // leakyBucket is a queue drained at Rate per Period, by virtual scheduling: T is the next free
 // departure time, and a request departs at max(T, now), taking cost drain intervals. The queue is
 // full when the wait plus the request would exceed Limit intervals.
-func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) {
+func (l *Limit) leakyBucket(st *State, now float64, cost int64, d *Decision) {
 	interval := micros(l.Period) / float64(l.Rate)
 	span := float64(l.Limit) * interval
 	maxWait := micros(l.MaxWait)
 	start := fmax(st.T, now)
 	wait := start - now
 	own := float64(float64(cost) * interval)
-	d := Decision{Limit: l.Limit, Allowed: wait+own <= span+slackMicros && wait <= maxWait+slackMicros}
+	*d = Decision{Limit: l.Limit, Allowed: wait+own <= span+slackMicros && wait <= maxWait+slackMicros}
 	if d.Allowed {
 		d.Wait = dur(wait)
 		if cost > 0 {
@@ -397,12 +416,11 @@ func (l Limit) leakyBucket(st State, now float64, cost int64) (State, Decision) 
 	ahead := fmax(st.T, now) - now
 	d.Remaining = remaining(l.Limit, (span-ahead)/interval)
 	d.Reset = dur(ahead)
-	return st, d
 }
 
 // fixedWindow counts units in clock-aligned windows. Up to twice the limit can pass around a
 // boundary: Limit at the end of one window and Limit at the start of the next.
-func (l Limit) fixedWindow(st State, now float64, cost int64) (State, Decision) {
+func (l *Limit) fixedWindow(st *State, now float64, cost int64, d *Decision) {
 	window := micros(l.Period)
 	idx := math.Floor(now / window)
 	n := 0.0
@@ -410,7 +428,7 @@ func (l Limit) fixedWindow(st State, now float64, cost int64) (State, Decision) 
 		n = st.N
 	}
 	end := (idx+1)*window - now
-	d := Decision{Limit: l.Limit, Allowed: n+float64(cost) <= float64(l.Limit)}
+	*d = Decision{Limit: l.Limit, Allowed: n+float64(cost) <= float64(l.Limit)}
 	if d.Allowed {
 		if cost > 0 {
 			n += float64(cost)
@@ -423,12 +441,11 @@ func (l Limit) fixedWindow(st State, now float64, cost int64) (State, Decision) 
 	if n > 0 {
 		d.Reset = dur(end)
 	}
-	return st, d
 }
 
 // slidingLog remembers every admitted request for one window and admits a request when the units
 // of the last window plus its cost fit the limit. Exact, at the price of one entry per request.
-func (l Limit) slidingLog(st State, now float64, cost int64) (State, Decision) {
+func (l *Limit) slidingLog(st *State, now float64, cost int64, d *Decision) {
 	window := micros(l.Period)
 	drop := 0
 	n := int64(0)
@@ -440,7 +457,7 @@ func (l Limit) slidingLog(st State, now float64, cost int64) (State, Decision) {
 		n += e.Units
 	}
 	// n <= Limit and 0 <= cost <= Limit (Take): the subtraction cannot overflow.
-	d := Decision{Limit: l.Limit, Allowed: cost <= l.Limit-n}
+	*d = Decision{Limit: l.Limit, Allowed: cost <= l.Limit-n}
 	if d.Allowed {
 		if cost > 0 {
 			// Appending never changes the elements the caller's slice can see, so st stays
@@ -463,17 +480,16 @@ func (l Limit) slidingLog(st State, now float64, cost int64) (State, Decision) {
 	if len(log) > 0 {
 		d.Reset = dur(log[len(log)-1].At + window - now)
 	}
-	return st, d
 }
 
 // slidingWindowCounter estimates the units of the last window as the current window's count plus
 // the previous window's count weighted by the share of it that the sliding window still covers.
 // Only the immediately preceding window carries over.
-func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, Decision) {
+func (l *Limit) slidingWindowCounter(st *State, now float64, cost int64, d *Decision) {
 	window, idx, start, cur, prev, est := l.windowEstimate(st, now)
 	limit := float64(l.Limit)
 	c := float64(cost)
-	d := Decision{Limit: l.Limit, Allowed: est+c <= limit+slackUnits}
+	*d = Decision{Limit: l.Limit, Allowed: est+c <= limit+slackUnits}
 	if d.Allowed {
 		if cost > 0 {
 			cur += c
@@ -495,21 +511,20 @@ func (l Limit) slidingWindowCounter(st State, now float64, cost int64) (State, D
 	case prev > 0:
 		d.Reset = dur(start + window - now)
 	}
-	return st, d
 }
 
 // concurrency admits a request while the slots of the leases in flight plus its cost fit the
 // limit, and gives it a lease of Period. Expired leases are dropped first: they are the requests
 // of an enforcer that stopped renewing them. A refusal carries no RetryAfter: a slot frees when a
 // request in flight ends, which no clock says.
-func (l Limit) concurrency(st State, now float64, cost int64, lease string) (State, Decision) {
-	st = l.dropExpired(st, now)
+func (l *Limit) concurrency(st *State, now float64, cost int64, lease string, d *Decision) {
+	*st = l.dropExpired(*st, now)
 	held := int64(0)
 	for _, e := range st.Leases {
 		held += e.Units
 	}
 	// held <= Limit and 0 <= cost <= Limit (Take): the subtraction cannot overflow.
-	d := Decision{Limit: l.Limit, Allowed: cost <= l.Limit-held}
+	*d = Decision{Limit: l.Limit, Allowed: cost <= l.Limit-held}
 	if d.Allowed && cost > 0 {
 		// Appending never changes the elements the caller's slice can see.
 		st.Leases = append(st.Leases, Lease{ID: lease, Expiry: now + micros(l.Period), Units: cost})
@@ -521,5 +536,4 @@ func (l Limit) concurrency(st State, now float64, cost int64, lease string) (Sta
 	}
 	d.Remaining = l.Limit - held
 	d.Reset = dur(latest - now)
-	return st, d
 }

@@ -88,7 +88,7 @@ func (e *memoryEntry) size(k memoryKey) int64 {
 // keep stores a charged state. A sliding log's array is the entry's own once stored: it is
 // compacted when the entries that left the window outnumber those in it, and reallocated
 // smaller when mostly empty, so an entry holds O(entries in the window), at amortized O(1).
-func (e *memoryEntry) keep(st algorithm.State, idleAt float64) {
+func (e *memoryEntry) keep(st *algorithm.State, idleAt float64) {
 	log := st.Log
 	switch {
 	case cap(log) == 0:
@@ -105,8 +105,8 @@ func (e *memoryEntry) keep(st algorithm.State, idleAt float64) {
 		log = append(make([]algorithm.LogEntry, 0, 2*len(log)+4), log...)
 		e.buf = log[:cap(log)]
 	}
-	st.Log = log
-	e.st, e.idleAt = st, idleAt
+	e.st, e.idleAt = *st, idleAt
+	e.st.Log = log
 }
 
 // NewMemory returns a memory store. Close stops its background sweep.
@@ -312,6 +312,15 @@ func (c *Check) take(st algorithm.State, at time.Time) (algorithm.State, algorit
 	return st, d
 }
 
+// takeIn is take in place: st becomes the state to store if the check is charged, d its decision.
+func (c *Check) takeIn(st *algorithm.State, at time.Time, d *algorithm.Decision) {
+	if c.Deferred {
+		*st, *d = c.take(*st, at)
+		return
+	}
+	c.Limit.TakeIn(st, at, c.Cost, c.Lease, d)
+}
+
 // commitOrRefuseRepeat reports whether the decision is charged: every enforced check allowed,
 // and no check's record is that of a refused request whose Retry-After has not come. Such a
 // repeat, which no limit refuses now, is refused the same way, by the first enforced check of
@@ -426,7 +435,7 @@ func (s *Memory) settle(checks []Check, out []algorithm.Decision, step func(*Che
 		next, dec := step(c, st, d.at)
 		out[i] = dec
 		if dec.Allowed && (e != nil || dec.Reset > 0) { // a fresh key left idle needs no entry
-			s.put(sh, k, e, next, d.now+float64(dec.Reset.Microseconds()), d.now)
+			s.put(sh, k, e, &next, d.now+float64(dec.Reset.Microseconds()), d.now)
 		}
 	}
 }
@@ -458,20 +467,20 @@ func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 	if e != nil {
 		st = e.st
 	}
-	st, d := c.take(st, at)
-	out[0] = d
+	d := &out[0]
+	c.takeIn(&st, at, d)
 	if c.Enforce && !d.Allowed {
 		return false, nil
 	}
 	if d.Allowed && c.Cost > 0 && !c.Deferred {
-		s.put(sh, k, e, st, now+float64(d.Reset.Microseconds()), now)
+		s.put(sh, k, e, &st, now+float64(d.Reset.Microseconds()), now)
 	}
 	return true, nil
 }
 
 // put stores a charged state under k, whose entry is e or, if nil, new: it makes room for the
 // bytes the entry grows by, then counts them. The caller holds the shard's lock.
-func (s *Memory) put(sh *shard, k memoryKey, e *memoryEntry, st algorithm.State, idleAt, now float64) {
+func (s *Memory) put(sh *shard, k memoryKey, e *memoryEntry, st *algorithm.State, idleAt, now float64) {
 	before := int64(0)
 	if e == nil {
 		e = &memoryEntry{}
@@ -501,7 +510,7 @@ func (s *Memory) store(sh *shard, c *Check, st algorithm.State, d algorithm.Deci
 		return // a check, a shadow rule that would refuse, a rule charged by the response: nothing to charge
 	}
 	k := memoryKey{c.Tag, c.Rule}
-	s.put(sh, k, sh.m[k], st, now+float64(d.Reset.Microseconds()), now)
+	s.put(sh, k, sh.m[k], &st, now+float64(d.Reset.Microseconds()), now)
 }
 
 // evictionSample is how many entries a full shard looks at to choose the one to evict.
