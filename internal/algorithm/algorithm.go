@@ -194,9 +194,9 @@ func (l *Limit) TakeIn(st *State, now time.Time, cost int64, lease string, d *De
 // even a cost of 0, by that step, and there is nothing to refuse.
 func (l Limit) Charge(st State, now time.Time, cost int64) (State, Decision) {
 	us := Micros(now)
-	_, left := l.take(st, us, 0, "")
+	_, left := l.take(st, us, 0)
 	units := min(max(cost, 0), left.Remaining)
-	next, d := l.take(st, us, units, "")
+	next, d := l.take(st, us, units)
 	if units == 0 {
 		d.Allowed, d.RetryAfter = true, 0
 	}
@@ -215,7 +215,7 @@ func (l Limit) Release(st State, now time.Time, lease string, units int64) (Stat
 			break
 		}
 	}
-	return l.take(st, us, 0, "")
+	return l.take(st, us, 0)
 }
 
 // Renew extends the lease of the request named lease that holds units slots of a concurrency
@@ -231,7 +231,7 @@ func (l Limit) Renew(st State, now time.Time, lease string, units int64) (State,
 			break
 		}
 	}
-	return l.take(st, us, 0, "")
+	return l.take(st, us, 0)
 }
 
 // dropExpired returns st without the leases that expired at or before now, in a new slice when
@@ -253,9 +253,10 @@ func (l Limit) dropExpired(st State, now float64) State {
 	return st
 }
 
-func (l Limit) take(st State, now float64, cost int64, lease string) (State, Decision) {
+// take is step by value, for the callers that take no lease.
+func (l Limit) take(st State, now float64, cost int64) (State, Decision) {
 	var d Decision
-	l.step(&st, now, cost, lease, &d)
+	l.step(&st, now, cost, "", &d)
 	return st, d
 }
 
