@@ -96,15 +96,18 @@ func (c *check) route(path string) (ep endpoint, id, notFound string) {
 		}
 		return ep, "", ""
 	}
-	parts := strings.Split(rest, "/")
-	if len(parts) != 3 || parts[0] == "" || parts[1] == "" {
+	// <namespace>/<name>/<endpoint>, cut without allocating: the endpoint keeps its slash.
+	ns, rest, _ := strings.Cut(rest, "/")
+	name, rest, _ := strings.Cut(rest, "/")
+	last := len(path) - len(rest) - 1
+	if ns == "" || name == "" || last < 0 || path[last] != '/' || strings.Contains(rest, "/") {
 		return ep, "", unknownEndpoint
 	}
-	ep, ok := endpoints["/"+parts[2]]
+	ep, ok := endpoints[path[last:]]
 	if !ok {
 		return ep, "", unknownEndpoint
 	}
-	id = parts[0] + "/" + parts[1]
+	id = ns + "/" + name
 	if c.limiter.Policy(id) == nil {
 		return ep, id, limiter.NotServed(id)
 	}

@@ -108,7 +108,7 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 	}
 	// Detached from the call, as every front end decides (seam.go): Envoy's timeout must not
 	// fail the store.
-	per, overall := s.limiter.DecideAll(context.WithoutCancel(ctx), reqs)
+	per, overall := s.limiter.DecideAll(context.Background(), reqs)
 	if ctx.Err() != nil {
 		s.limiter.Left() // Envoy gave up on the call meanwhile
 	}
@@ -119,12 +119,15 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		// A fail-closed rule whose store cannot answer: Envoy applies its failure_mode_deny.
 		return nil, status.Errorf(codes.Unavailable, "the rate-limit store is unavailable and rule %q fails closed", overall.Rule.Name)
 	}
-	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OK}
+	resp := &rlsv3.RateLimitResponse{OverallCode: rlsv3.RateLimitResponse_OK,
+		Statuses: make([]*rlsv3.RateLimitResponse_DescriptorStatus, len(per)),
+		// The RateLimit fields, and Retry-After with a refusal: sized once.
+		ResponseHeadersToAdd: make([]*corev3.HeaderValue, 0, 4)}
 	if overall.Outcome == limiter.Limited {
 		resp.OverallCode = rlsv3.RateLimitResponse_OVER_LIMIT
 	}
-	for _, r := range per {
-		resp.Statuses = append(resp.Statuses, descriptorStatus(&r))
+	for i := range per {
+		resp.Statuses[i] = descriptorStatus(&per[i])
 	}
 	set := func(name, value string) {
 		resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, &corev3.HeaderValue{Key: name, Value: value})
@@ -182,18 +185,22 @@ func namesPolicy(d *rlv3.RateLimitDescriptor) bool {
 // descriptorRequest maps a descriptor's entries onto a request, and returns the policy it names
 // (EntryPolicy), if any.
 func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, string, error) {
-	h := http.Header{}
+	if n := len(d.GetEntries()); n > MaxRLSEntries { // ShouldRateLimit refuses it before
+		return limiter.Request{}, "", fmt.Errorf("%d entries, at most %d", n, MaxRLSEntries)
+	}
+	h := &entryHeader{}
 	in := input{header: h, target: "/"}
 	var peer netip.Addr
 	var named string
 	hasPath := false
-	seen := map[string]bool{}
+	var seen uint8 // the entries of a meaning of their own seen so far (entryBit)
 	for _, e := range d.GetEntries() {
 		key := strings.ToLower(e.GetKey())
-		if seen[key] && (key == EntryRemoteAddress || key == EntryMethod || key == EntryPath || key == EntryPolicy) {
+		bit := entryBit(key)
+		if seen&bit != 0 {
 			return limiter.Request{}, "", fmt.Errorf("entry %q is repeated: a request has one", key)
 		}
-		seen[key] = true
+		seen |= bit
 		switch key {
 		case EntryPolicy:
 			named = e.GetValue()
@@ -208,7 +215,7 @@ func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, string, er
 		case EntryPath:
 			in.target, hasPath = e.GetValue(), true
 		default:
-			h.Add(e.GetKey(), e.GetValue())
+			h.add(e.GetKey(), e.GetValue())
 		}
 	}
 	r, bad := in.request()
@@ -220,6 +227,84 @@ func descriptorRequest(d *rlv3.RateLimitDescriptor) (limiter.Request, string, er
 	}
 	r.Peer = peer
 	return r, named, nil
+}
+
+// entryBit is an entry key's bit in a set of the keys of a meaning of their own, which a
+// descriptor holds once at most; 0 for a request header, which it may repeat.
+func entryBit(key string) uint8 {
+	switch key {
+	case EntryPolicy:
+		return 1
+	case EntryRemoteAddress:
+		return 2
+	case EntryMethod:
+		return 4
+	case EntryPath:
+		return 8
+	}
+	return 0
+}
+
+// entryHeader is a descriptor's other entries as the request header fields they stand for, read
+// as http.Header reads its fields, names compared without regard to ASCII case, in one
+// allocation: a descriptor holds at most MaxRLSEntries.
+type entryHeader struct {
+	n             int
+	names, values [MaxRLSEntries]string
+}
+
+func (h *entryHeader) add(name, value string) {
+	h.names[h.n], h.values[h.n] = name, value
+	h.n++
+}
+
+// Values implements policy.Header. The values of a name sent in a row share the header's array,
+// capped, so that nothing the caller appends reaches it; only a name repeated apart copies.
+func (h *entryHeader) Values(name string) []string {
+	first, last, count := -1, -1, 0
+	for i := range h.n {
+		if asciiEqualFold(h.names[i], name) {
+			if first < 0 {
+				first = i
+			}
+			last = i
+			count++
+		}
+	}
+	switch {
+	case count == 0:
+		return nil
+	case last-first+1 == count:
+		return h.values[first : last+1 : last+1]
+	}
+	values := make([]string, 0, count)
+	for i := first; i <= last; i++ {
+		if asciiEqualFold(h.names[i], name) {
+			values = append(values, h.values[i])
+		}
+	}
+	return values
+}
+
+// asciiEqualFold reports whether two field names are equal without regard to ASCII case, as
+// HTTP compares them: no other folding (strings.EqualFold also folds the Kelvin sign into k).
+func asciiEqualFold(a, b string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range len(a) {
+		x, y := a[i], b[i]
+		if 'A' <= x && x <= 'Z' {
+			x += 'a' - 'A'
+		}
+		if 'A' <= y && y <= 'Z' {
+			y += 'a' - 'A'
+		}
+		if x != y {
+			return false
+		}
+	}
+	return true
 }
 
 // descriptorStatus is a descriptor's status: its code, and the limit, remaining and reset of the

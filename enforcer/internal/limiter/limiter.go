@@ -494,9 +494,19 @@ func outranks(a, b *Result) bool {
 // returns each request's result and the overall one: the refusal with the longest Retry-After,
 // or else the first request's.
 func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Result) {
-	var checks []store.Check
-	var rules []matched
-	bounds := make([]int, len(reqs)+1)
+	bufs := bufPool.Get().(*decideBufs)
+	defer func() {
+		*bufs = decideBufs{} // no strings or rules kept alive by the pool
+		bufPool.Put(bufs)
+	}()
+	checks, rules := bufs.checks[:0], bufs.rules[:0]
+	var few [len(decideBufs{}.checks) + 1]int // the bounds of up to 8 requests, on the stack
+	var bounds []int
+	if len(reqs) < len(few) {
+		bounds = few[:len(reqs)+1]
+	} else {
+		bounds = make([]int, len(reqs)+1)
+	}
 	idem := false
 	per := make([]Result, len(reqs))
 	for i := range reqs {
@@ -521,7 +531,11 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		return per, Result{Outcome: Allowed}
 	}
 	merged, same := mergeRepeats(checks)
-	out := make([]algorithm.Decision, len(merged))
+	out := bufs.out[:0]
+	if len(merged) > len(bufs.out) {
+		out = make([]algorithm.Decision, 0, len(merged))
+	}
+	out = out[:len(merged)]
 	start := time.Now()
 	charged, err := l.decide(ctx, merged, out)
 	l.metrics.storeLatency.Observe(time.Since(start).Seconds())
@@ -579,9 +593,12 @@ func reports(a, b *Result) bool {
 // mergeRepeats folds the checks of one rule and one client that several requests of a DecideAll
 // share (Envoy descriptors that repeat each other) into one check of their summed cost: the store
 // decides each check against the state from before the call, so two checks of one counter would
-// charge it once. same[i] is the index in merged of checks[i]; merged is checks itself when
-// nothing repeats.
+// charge it once. same[i] is the index in merged of checks[i]; merged is checks itself, and same
+// nil, when nothing repeats, which the common call (one descriptor) finds without allocating.
 func mergeRepeats(checks []store.Check) (merged []store.Check, same []int) {
+	if !repeats(checks) {
+		return checks, nil
+	}
 	type counter struct{ tag, rule string }
 	seen := make(map[counter]int, len(checks))
 	same = make([]int, len(checks))
@@ -600,8 +617,25 @@ func mergeRepeats(checks []store.Check) (merged []store.Check, same []int) {
 	return merged, same
 }
 
-// spread gives every check the decision of the merged check it went into.
+// repeats reports whether two checks are of one rule and one client: at most MaxChecks, compared
+// pairwise.
+func repeats(checks []store.Check) bool {
+	for i := range checks {
+		for j := range i {
+			if checks[i].Tag == checks[j].Tag && checks[i].Rule == checks[j].Rule {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// spread gives every check the decision of the merged check it went into; out itself when
+// nothing was merged (same is nil).
 func spread(out []algorithm.Decision, same []int) []algorithm.Decision {
+	if same == nil {
+		return out
+	}
 	all := make([]algorithm.Decision, len(same))
 	for i, j := range same {
 		all[i] = out[j]
