@@ -61,25 +61,12 @@ nginx -p "$work" -c nginx.conf
 redis-server --port $REDIS --bind 127.0.0.1 --save "" --appendonly no --daemonize no >/dev/null &
 pids+=($!)
 
-# One rule per client, with a limit no benchmark reaches: every request is decided and passes, as
-# nginx's limit_req zone does. The client is X-Client when sent, else the address: the proxy
-# runs decide one client (wrk's one address, as nginx's zone sees it), the check API runs 10,000
-# random X-Client keys, as real traffic does.
-cat >"$work/policy.yaml" <<EOF
-apiVersion: ratelimit.sluice.dev/v1alpha1
-kind: RateLimitPolicy
-metadata: {name: bench, namespace: bench}
-spec:
-  targetRef: {name: app, port: 80}
-  rules:
-    - name: per-client
-      tokenBucket: {capacity: 1000000000, refill: {tokens: 1000000000, period: 1s}}
-      key: [{type: Header, name: X-Client}]
-EOF
-"$work/enforcer" --policy "$work/policy.yaml" --upstream http://127.0.0.1:$UP --listen 127.0.0.1:$ENF_MEM \
+# bench/policy.yaml: the proxy runs decide one client (wrk's one address, as nginx's zone sees
+# it), the check API runs 10,000 random X-Client keys, as real traffic does.
+"$work/enforcer" --policy bench/policy.yaml --upstream http://127.0.0.1:$UP --listen 127.0.0.1:$ENF_MEM \
 	--check-listen "" --admin-listen "" 2>"$work/logs/enf-mem.log" &
 pids+=($!)
-"$work/enforcer" --policy "$work/policy.yaml" --upstream http://127.0.0.1:$UP --listen 127.0.0.1:$ENF_REDIS \
+"$work/enforcer" --policy bench/policy.yaml --upstream http://127.0.0.1:$UP --listen 127.0.0.1:$ENF_REDIS \
 	--check-listen 127.0.0.1:$CHECK --admin-listen "" --redis-url redis://127.0.0.1:$REDIS/0 --redis-timeout 200ms \
 	2>"$work/logs/enf-redis.log" &
 pids+=($!)

@@ -34,23 +34,11 @@ go run ./bench/protoset >"$work/rls.protoset"
 redis-server --port $REDIS --bind 127.0.0.1 --save "" --appendonly no --daemonize no >/dev/null &
 pids+=($!)
 
-# One rule per client with a limit no run reaches: every call is decided and passes.
-cat >"$work/policy.yaml" <<EOF
-apiVersion: ratelimit.sluice.dev/v1alpha1
-kind: RateLimitPolicy
-metadata: {name: bench, namespace: bench}
-spec:
-  targetRef: {name: app, port: 80}
-  rules:
-    - name: per-client
-      tokenBucket: {capacity: 1000000000, refill: {tokens: 1000000000, period: 1s}}
-      key: [{type: Header, name: X-Client}]
-EOF
 # The proxy, which every enforcer runs, gets an upstream that is never called.
-"$work/enforcer" --policy "$work/policy.yaml" --listen 127.0.0.1:$MEM_PROXY --upstream http://127.0.0.1:9 --check-listen "" --admin-listen "" \
+"$work/enforcer" --policy bench/policy.yaml --listen 127.0.0.1:$MEM_PROXY --upstream http://127.0.0.1:9 --check-listen "" --admin-listen "" \
 	--rls-listen 127.0.0.1:$MEM 2>"$work/enf-mem.log" &
 pids+=($!)
-"$work/enforcer" --policy "$work/policy.yaml" --listen 127.0.0.1:$RED_PROXY --upstream http://127.0.0.1:9 --check-listen "" --admin-listen "" \
+"$work/enforcer" --policy bench/policy.yaml --listen 127.0.0.1:$RED_PROXY --upstream http://127.0.0.1:9 --check-listen "" --admin-listen "" \
 	--rls-listen 127.0.0.1:$RED --redis-url redis://127.0.0.1:$REDIS/0 --redis-timeout 200ms 2>"$work/enf-redis.log" &
 pids+=($!)
 "$work/ceiling" -mode rls -listen 127.0.0.1:$CEIL 2>/dev/null &
