@@ -115,7 +115,10 @@ func (c *check) route(path string) (ep endpoint, id, notFound string) {
 }
 
 func (c *check) serve(ctx *fasthttp.RequestCtx) {
-	ep, id, notFound := c.route(b2s(ctx.Path()))
+	// Routed on the path as sent: fasthttp's Path is decoded and normalized, which would decide
+	// /policies/a%2Fb/forward-auth or /policies/x/../a/b/forward-auth for policy a/b, where
+	// neither names it.
+	ep, id, notFound := c.route(b2s(ctx.URI().PathOriginal()))
 	resp := &ctx.Response.Header
 	if notFound != "" {
 		ctx.SetStatusCode(http.StatusNotFound)

@@ -157,6 +157,41 @@ func TestEnforcerBinaryWhenTheHostIsLongThenTheRequestPassesAndTheProcessLives(t
 	h.alive(t)
 }
 
+// The check API once routed on fasthttp's decoded, normalized path: an encoded slash, an empty
+// segment or a dot segment named a policy that the path as sent does not name, and was decided
+// against it. Only the literal path of a policy is; every other spelling is a 404.
+func TestEnforcerBinaryWhenACheckPathNamesAPolicyOnlyOnceDecodedThenItIsNotFound(t *testing.T) {
+	h := startHostile(t)
+	ask := func(path string) int {
+		return raw(t, h.check, "GET "+path+" HTTP/1.1\r\nHost: check\r\nX-Forwarded-Method: GET\r\nX-Forwarded-Uri: /x\r\n"+
+			"X-Forwarded-For: 192.0.2.1\r\nConnection: close\r\n\r\n")
+	}
+	if s := ask("/policies/test/hostile/forward-auth"); s != http.StatusOK {
+		t.Fatalf("the policy's own path: %d, want 200", s)
+	}
+	for _, path := range []string{
+		"/policies/test%2Fhostile/forward-auth",
+		"/policies/test/hostile%2Fforward-auth",
+		"/policies/test/hostile%2F/forward-auth",
+		"/policies/%74est/hostile/forward-auth",
+		"/policies/test//hostile/forward-auth",
+		"/policies//test/hostile/forward-auth",
+		"/policies/test/hostile//forward-auth",
+		"//policies/test/hostile/forward-auth",
+		"/policies/test/x/../hostile/forward-auth",
+		"/policies/../policies/test/hostile/forward-auth",
+		"/policies/%2e%2e/policies/test/hostile/forward-auth",
+		"/policies/test/hostile/x/%2e%2e/forward-auth",
+		"/policies/test/hostile/forward-auth/../forward-auth",
+		"/policies/test/hostile/./forward-auth",
+	} {
+		if s := ask(path); s != http.StatusNotFound {
+			t.Errorf("GET %s: %d, want 404", path, s)
+		}
+	}
+	h.alive(t)
+}
+
 // An h2c client that resets its streams while their decisions are in flight once counted each
 // reset as a Redis failure: three opened the breaker, and every fail-closed rule of every client
 // answered 503 while the resets went on. A client that leaves is neither a success nor a failure.
