@@ -491,8 +491,8 @@ func outranks(a, b *Result) bool {
 
 // DecideAll decides several requests as one: every rule that matches any of them is checked, and
 // all are charged or none (Envoy's rate limit service asks for one request's descriptors so). It
-// returns each request's result and the overall one: the refusal with the longest Retry-After,
-// or else the first request's.
+// returns each request's result and the overall one (reports): a refusal, the one with the
+// longest Retry-After, or else the admission whose rule is closest to its limit.
 func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Result) {
 	bufs := bufPool.Get().(*decideBufs)
 	defer func() {
@@ -556,7 +556,7 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 			checks[i].Cost = merged[j].Cost
 		}
 	}
-	overall := Result{Outcome: Allowed}
+	overall, wait := Result{Outcome: Allowed}, time.Duration(0)
 	for i := range reqs {
 		b, e := bounds[i], bounds[i+1]
 		switch {
@@ -570,13 +570,18 @@ func (l *Limiter) DecideAll(ctx context.Context, reqs []Request) ([]Result, Resu
 		if r := per[i]; i == 0 || reports(&r, &overall) {
 			overall = r
 		}
+		wait = max(wait, per[i].Wait)
+	}
+	if overall.Outcome == Allowed {
+		overall.Wait = wait // every request's wait is held, the longest
 	}
 	return per, overall
 }
 
 // reports tells whether result a, rather than b, is the overall one of several requests decided
 // together: a refusal that can never pass first, since no failure mode may admit it; then a
-// fail-closed rule's unavailable store; then the refusal outranks prefers.
+// fail-closed rule's unavailable store; then the refusal outranks prefers; among admissions, the
+// rule closest to its limit, as one request's admission reports (result).
 func reports(a, b *Result) bool {
 	never := func(r *Result) bool { return r.Outcome == Limited && r.Never }
 	switch {
@@ -586,8 +591,23 @@ func reports(a, b *Result) bool {
 		return a.Outcome == Unavailable && b.Outcome != Unavailable
 	case a.Outcome == Limited:
 		return b.Outcome == Allowed || b.Outcome == Limited && outranks(a, b)
+	case a.Outcome == Allowed && b.Outcome == Allowed:
+		return closer(a, b)
 	}
 	return false
+}
+
+// closer reports whether admission a describes a rule closer to its limit than b does: a smaller
+// share of it left. An admission that describes no rule (none matched) is never closer.
+func closer(a, b *Result) bool {
+	share := func(r *Result) float64 { return float64(r.Decision.Remaining) / float64(r.Decision.Limit) }
+	switch {
+	case a.Rule == nil || a.Decision.Limit == 0:
+		return false
+	case b.Rule == nil || b.Decision.Limit == 0:
+		return true
+	}
+	return share(a) < share(b)
 }
 
 // mergeRepeats folds the checks of one rule and one client that several requests of a DecideAll

@@ -245,3 +245,42 @@ func TestLimiterWhenTheStoreFailsAndRecoversThenTheBreakerOpensProbesAndCloses(t
 	decide(4)
 	step("closed: every decision reaches the store", 9, false)
 }
+
+// Several requests decided together (Envoy's descriptors) report, when all are admitted, the
+// rule closest to its limit, as one request's admission does: not the first request's, which may
+// match no rule at all while the others were charged.
+func TestLimiterWhenRequestsDecidedTogetherAreAdmittedThenTheRuleClosestToItsLimitIsReported(t *testing.T) {
+	l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{SweepInterval: -1})})
+	l.SetPolicies(policies(t, `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: unit, namespace: test}
+spec:
+  targetRef: {name: api, port: 80}
+  rules:
+    - name: small
+      match: {path: {value: /small}}
+      fixedWindow: {limit: 4, window: 1h}
+    - name: large
+      match: {path: {value: /large}}
+      fixedWindow: {limit: 100, window: 1h}
+`))
+	ctx := context.Background()
+	for _, tc := range []struct {
+		paths []string
+		want  string
+	}{
+		{[]string{"/none", "/large"}, "large"},
+		{[]string{"/none", "/large", "/small"}, "small"},  // 3 of 4 left against 98 of 100
+		{[]string{"/small", "/large"}, "small"},           // 2 of 4 left against 97 of 100
+		{[]string{"/large", "/large", "/large"}, "large"}, // one rule, charged 3 at once
+	} {
+		var reqs []limiter.Request
+		for _, p := range tc.paths {
+			reqs = append(reqs, *request(p, "192.0.2.1"))
+		}
+		_, all := l.DecideAll(ctx, reqs)
+		if all.Outcome != limiter.Allowed || all.Rule == nil || all.Rule.Name != tc.want {
+			t.Errorf("%v: %+v, want admitted, describing rule %s", tc.paths, all, tc.want)
+		}
+	}
+}
