@@ -78,9 +78,12 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		if d.GetIsNegativeHits() {
 			return nil, status.Errorf(codes.InvalidArgument, "descriptor %d: negative hits are not supported", i)
 		}
-		addend := uint64(req.GetHitsAddend())
+		// A descriptor's own hits_addend overrides the request's, and may be 0: asked, not
+		// charged (as envoyproxy/ratelimit reads it). The request's 0 is its default, 1.
+		addend, checkOnly := uint64(req.GetHitsAddend()), false
 		if d.GetHitsAddend() != nil {
 			addend = d.GetHitsAddend().GetValue()
+			checkOnly = addend == 0
 		}
 		// Saturated, not wrapped: 2^63 and above would turn negative, and then into 1.
 		hits := int64(min(addend, math.MaxInt64))
@@ -103,7 +106,7 @@ func (s *rls) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) 
 		case s.limiter.Policy(named) == nil:
 			return refuse(req, notServedProblem, fmt.Sprintf("descriptor %d: %s", i, limiter.NotServed(named))), nil
 		}
-		r.Policy, r.Hits, r.KeysRequired = named, max(1, hits), true
+		r.Policy, r.Hits, r.CheckOnly, r.KeysRequired = named, max(1, hits), checkOnly, true
 		reqs[i] = r
 	}
 	// Detached from the call, as every front end decides (seam.go): Envoy's timeout must not

@@ -151,6 +151,41 @@ func TestRLSWhenOneDescriptorRefusesThenNoneIsCharged(t *testing.T) {
 	}
 }
 
+// A descriptor's own hits_addend of 0 asks without charging (a gateway that charges later, as
+// Envoy's apply_on_stream_done does): it passes until the limit is used up and past it is
+// refused, and it charges nothing; the request's hits_addend of 0 is its default, 1.
+func TestRLSWhenADescriptorsHitsAddendIsZeroThenItIsAskedNotCharged(t *testing.T) {
+	for name, opts := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			e := start(t, policyDoc(name+"-rls-ask", algorithmRules), nil, opts, withRLS)
+			c, _ := rlsClient(t, e)
+			domain := "test/" + name + "-rls-ask"
+			ask := func() *rlv3.RateLimitDescriptor {
+				d := descriptor("remote_address", "192.0.2.20", "x-algo", "fixed")
+				d.HitsAddend = wrapperspb.UInt64(0)
+				return d
+			}
+			for i := range 5 {
+				r := shouldRateLimit(t, c, domain, ask())
+				if got := r.GetStatuses()[0].GetLimitRemaining(); r.GetOverallCode() != rlsv3.RateLimitResponse_OK || got != 3 {
+					t.Fatalf("ask %d: %v, %d remaining; want OK and 3: an ask charges nothing", i, r.GetOverallCode(), got)
+				}
+			}
+			for i := range 3 { // the request's hits_addend, 0, charges 1
+				if r := shouldRateLimit(t, c, domain, descriptor("remote_address", "192.0.2.20", "x-algo", "fixed")); r.GetStatuses()[0].GetLimitRemaining() != uint32(2-i) {
+					t.Fatalf("charge %d: %v", i, r)
+				}
+			}
+			if r := shouldRateLimit(t, c, domain, ask()); r.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+				t.Errorf("an ask at the limit, not past it: %v, want OK", r.GetOverallCode())
+			}
+			if r := shouldRateLimit(t, c, domain, descriptor("remote_address", "192.0.2.20", "x-algo", "fixed")); r.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT {
+				t.Errorf("a charge past the limit: %v, want OVER_LIMIT", r.GetOverallCode())
+			}
+		})
+	}
+}
+
 // 1,000 concurrent calls against a limit of 100, spread over 3 enforcers sharing one Redis,
 // admit exactly 100.
 func TestRLSWhenThreeEnforcersShareRedisThenExactlyTheLimitPasses(t *testing.T) {

@@ -72,6 +72,10 @@ type Request struct {
 	Policy string
 	// Hits multiplies every rule's cost; 0 means 1.
 	Hits int64
+	// CheckOnly decides the request at a cost of 0: it is refused only where a rule is already
+	// past its limit, and charges nothing (an Envoy descriptor's hits_addend of 0, which asks
+	// before a charge that comes later, as with apply_on_stream_done).
+	CheckOnly bool
 	// KeysRequired limits the decision to the rules all of whose key sources the request
 	// carries: an Envoy descriptor selects the limits whose keys it names.
 	KeysRequired bool
@@ -363,6 +367,9 @@ func (l *Limiter) decideOne(ctx context.Context, req *Request) Result {
 // upstream reads one of the values, and which one is not ours to guess. invalid says why.
 func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (_ []store.Check, _ []matched, idemKey, invalid string) {
 	hits := max(1, req.Hits)
+	if req.CheckOnly {
+		hits = 0
+	}
 	lease := "" // the request's name, made once a rule needs it (leaseName)
 	set := l.policies.Load()
 	candidates := set.list
