@@ -601,6 +601,13 @@ func TestPoolWhenAPolicyMovesInAndOutUnderTrafficThenSomeHomeDecidesThroughout(t
 		p.Spec.Enforcer = &v1alpha1.EnforcerSpec{Replicas: ptr.To[int32](1)}
 		p.Spec.Storage = newPolicy(ns, "x", "x").Spec.Storage
 	}, func() (bool, string) { return gone(configIn("second")) })
+	// The traffic goes on until there is enough of it to judge, however fast the moves were on
+	// this machine: rounds after the last move are its home's to decide too.
+	eventually(t, "100 rounds of traffic", func() (bool, string) {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(rounds) >= 100, fmt.Sprintf("%d rounds", len(rounds))
+	})
 	close(stop)
 	wg.Wait()
 
