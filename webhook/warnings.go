@@ -51,6 +51,10 @@ func Warnings(p *v1alpha1.RateLimitPolicy) []string {
 			out = append(out, fmt.Sprintf("%s fails open on a login path (%s): while %s cannot answer, it admits unlimited attempts such as password guessing; set failureMode: Closed",
 				ruleRef(i, r.Name), r.Match.Value, store))
 		}
+		if store == "" && r.Lease != nil {
+			out = append(out, fmt.Sprintf("%s has a lease, which has no effect on memory storage: every decision is local already; remove it, or use storage.redis or storage.managedRedis",
+				ruleRef(i, r.Name)))
+		}
 	}
 	return out
 }

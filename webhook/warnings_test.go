@@ -71,8 +71,24 @@ func warningCases() []warningCase {
 			return p
 		}
 	}
+	leased := bucket("leased", 100, 10, "1s")
+	leased.Lease = &v1alpha1.Lease{Max: 10}
+	withMemory := func(f func() *v1alpha1.RateLimitPolicy) func() *v1alpha1.RateLimitPolicy {
+		return func() *v1alpha1.RateLimitPolicy {
+			p := f()
+			p.Spec.Storage = &v1alpha1.Storage{Memory: &v1alpha1.MemoryStorage{}}
+			return p
+		}
+	}
 	return []warningCase{
 		{"when every rule has a key and enforces then nothing is said", policyOf(bucket("a", 10, 1, "1s")), nil},
+		{"when a leased rule has no storage then the lease has no effect on memory",
+			policyOf(bucket("a", 10, 1, "1s"), leased),
+			[]string{`spec.rules[1] ("leased") has a lease, which has no effect on memory storage: every decision is local already`}},
+		{"when a leased rule has memory storage then the lease has no effect", withMemory(policyOf(leased)),
+			[]string{`spec.rules[0] ("leased") has a lease, which has no effect on memory storage: every decision is local already`}},
+		{"when a leased rule has Redis storage then nothing is said", withRedis(policyOf(leased)), nil},
+		{"when a leased rule is in a pool then nothing is said: the pool's store is not the policy's to see", inPool(policyOf(leased)), nil},
 		{"when a policy in a pool has a concurrency rule and a rule charged by the response then neither is ever decided",
 			inPool(policyOf(failures, slots)),
 			[]string{`spec.rules[0] ("failures") is charged by the response: only an enforcer's proxy sees a response end, and a policy in a pool (spec.enforcer.poolRef) is decided only by the pool's check API and Envoy's rate limit service, which skip the rule and count it as skipped, so it never limits anything`,

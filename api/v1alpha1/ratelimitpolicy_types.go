@@ -52,6 +52,7 @@ type RateLimitPolicyList struct {
 // +kubebuilder:validation:XValidation:rule="(has(self.storage) && (has(self.storage.redis) || has(self.storage.managedRedis))) || !has(self.enforcer) || !has(self.enforcer.replicas) || self.enforcer.replicas == 1",message="memory storage keeps counters inside one enforcer, so enforcer.replicas must be 1; use storage.redis or storage.managedRedis to run more replicas",fieldPath=".enforcer.replicas"
 // +kubebuilder:validation:XValidation:rule="!has(self.enforcer) || !has(self.enforcer.poolRef) || !has(self.storage)",message="storage is the pool's when enforcer.poolRef is set: the pool keeps every policy's counters in its own store; remove storage or poolRef",fieldPath=".storage"
 // +kubebuilder:validation:XValidation:rule="!has(self.enforcer) || !has(self.enforcer.poolRef) || !has(self.targetRef.bypassProtection)",message="bypassProtection admits only the policy's own enforcer pods, and a policy in a pool (enforcer.poolRef) has none: the gateway reaches the Service itself; remove bypassProtection or poolRef",fieldPath=".targetRef.bypassProtection"
+// +kubebuilder:validation:XValidation:rule="!has(self.retries) || !has(self.retries.idempotencyKey) || !has(self.rules) || !self.rules.exists(r, has(r.lease))",message="lease does not apply with retries.idempotencyKey: a repeat is recognized by its record in Redis, which a leased rule's local decision does not read; remove lease or idempotencyKey",fieldPath=".retries.idempotencyKey"
 type RateLimitPolicySpec struct {
 	// targetRef is the Service, in the policy's namespace, that the enforcer fronts.
 	// +required
@@ -257,6 +258,11 @@ type SecretRef struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.leakyBucket) || !has(self.charge) || self.charge.when != 'Response'",message="a leaky bucket gives a request its place in the queue when it is admitted, so it cannot be charged by the response",fieldPath=".charge.when"
 // +kubebuilder:validation:XValidation:rule="!has(self.costFrom) || (has(self.charge) && self.charge.when == 'Response')",message="costFrom reads the response: it needs charge.when Response",fieldPath=".costFrom"
 // +kubebuilder:validation:XValidation:rule="!has(self.costFrom) || self.costFrom.max <= (has(self.tokenBucket) ? self.tokenBucket.capacity : has(self.fixedWindow) ? self.fixedWindow.limit : has(self.slidingLog) ? self.slidingLog.limit : has(self.slidingWindowCounter) ? self.slidingWindowCounter.limit : 0)",message="costFrom.max must not exceed the rule's capacity or limit: a response may not charge more than the rule can ever hold",fieldPath=".costFrom.max"
+// +kubebuilder:validation:XValidation:rule="!has(self.lease) || has(self.tokenBucket) || has(self.fixedWindow)",message="lease applies to tokenBucket and fixedWindow only: units taken ahead cannot be exact where a leaky bucket gives each request its own place in time, a sliding log records each request's time, a sliding window counter weights counts by when they came, or a concurrency slot is released per request",fieldPath=".lease"
+// +kubebuilder:validation:XValidation:rule="!has(self.lease) || !has(self.tokenBucket) || self.lease.max <= self.tokenBucket.capacity",message="lease.max must not exceed tokenBucket.capacity: an enforcer cannot take more units than the bucket holds",fieldPath=".lease.max"
+// +kubebuilder:validation:XValidation:rule="!has(self.lease) || !has(self.fixedWindow) || self.lease.max <= self.fixedWindow.limit",message="lease.max must not exceed fixedWindow.limit: an enforcer cannot take more units than the window admits",fieldPath=".lease.max"
+// +kubebuilder:validation:XValidation:rule="!has(self.lease) || !has(self.mode) || self.mode != 'Shadow'",message="lease does not apply to mode Shadow: a shadow rule is charged as if it were the only rule and never refuses, which units taken ahead cannot follow",fieldPath=".lease"
+// +kubebuilder:validation:XValidation:rule="!has(self.lease) || !has(self.charge) || self.charge.when != 'Response'",message="lease does not apply to charge.when Response: leased units are taken before the request is forwarded, not after its response",fieldPath=".lease"
 type Rule struct {
 	// name identifies the rule in status, metrics, headers and Redis keys. A DNS label.
 	// +required
@@ -349,6 +355,20 @@ type Rule struct {
 	// Response.
 	// +optional
 	CostFrom *CostFrom `json:"costFrom,omitempty"`
+
+	// lease lets an enforcer take up to lease.max units of a client's limit from Redis at once
+	// and decide from them locally, without a round trip to Redis, until they run out or
+	// lease.expiry passes. The units are charged in Redis when they are taken, so the rule stays
+	// exact: never more than the limit is admitted across enforcer replicas. The price is early
+	// refusals: a request may be refused while each other enforcer replica holds up to max-1 of
+	// the client's units unused. An enforcer killed while it holds units loses them: on a fixed
+	// window they count until the window ends; on a token bucket they stop counting against the
+	// bucket at the lease's expiry and refill from then. tokenBucket and fixedWindow only; not
+	// with mode Shadow, charge.when Response or spec.retries.idempotencyKey. On memory storage
+	// every decision is local already, and a lease changes nothing. Absent: every decision asks
+	// Redis.
+	// +optional
+	Lease *Lease `json:"lease,omitempty"`
 
 	// failureMode says what the rule decides when its storage cannot answer: Open lets requests
 	// through, Closed refuses them with 503. When absent, the rule follows
@@ -509,6 +529,28 @@ type CostFrom struct {
 	// +kubebuilder:validation:Maximum=1000000000
 	Max int64 `json:"max,omitempty"`
 }
+
+// Lease is how many units of a client's limit one enforcer takes from Redis at once, and for
+// how long it may use them.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.expiry) || !self.expiry.matches('^([0-9]{1,10}(h|m|s|ms)){1,4}$') || (duration(self.expiry) >= duration('100ms') && duration(self.expiry) <= duration('1m'))",message="expiry must be at least 100ms and at most 1m",fieldPath=".expiry"
+type Lease struct {
+	// max is the most units one enforcer takes at once for one client. From 2 to 1000000, and
+	// at most the rule's capacity or limit. Each other enforcer replica may hold up to max-1 of
+	// a client's units unused, so a request may be refused up to that many units early.
+	// +required
+	// +kubebuilder:validation:Minimum=2
+	// +kubebuilder:validation:Maximum=1000000
+	Max int64 `json:"max,omitempty"`
+
+	// expiry is how long an enforcer may use the units it took: past it, what is left unused
+	// is given up. From 100ms to 1m. Defaults to 1s.
+	// +optional
+	Expiry *Duration `json:"expiry,omitempty"`
+}
+
+// DefaultLeaseExpiry is lease.expiry when it is absent.
+const DefaultLeaseExpiry Duration = "1s"
 
 // Duration is a length of time made of whole hours (h), minutes (m), seconds (s) and
 // milliseconds (ms), such as "500ms", "1s", "1m30s" or "24h", from 1ms to 720h (30 days).

@@ -67,6 +67,9 @@ type Rule struct {
 	Statuses []StatusRange
 	// CostFrom, when set, reads the cost of a response from one of its fields.
 	CostFrom *CostFrom
+	// Lease, when set, lets an enforcer take up to Lease.Max units of a client's limit from
+	// Redis at once and decide from them locally (lease); nil, every decision asks the store.
+	Lease *Lease
 }
 
 // StatusRange is a range of response statuses, both ends included: a code, or a class such as
@@ -78,6 +81,13 @@ type StatusRange struct{ From, To int }
 type CostFrom struct {
 	Header string
 	Max    int64
+}
+
+// Lease is a compiled lease: the most units one enforcer takes at once, and how long it may use
+// them (lease.expiry, 1s when absent).
+type Lease struct {
+	Max    int64
+	Expiry time.Duration
 }
 
 // SeesResponse reports whether only a front end that sees the response's end can decide the
@@ -216,6 +226,13 @@ func compileRule(r *v1alpha1.Rule, path *field.Path, defaultOpen bool) (Rule, fi
 	}
 	if cf := r.CostFrom; cf != nil {
 		rule.CostFrom = &CostFrom{Header: http.CanonicalHeaderKey(string(cf.ResponseHeader)), Max: cf.Max}
+	}
+	if l := r.Lease; l != nil {
+		expiry := v1alpha1.DefaultLeaseExpiry
+		if l.Expiry != nil {
+			expiry = *l.Expiry
+		}
+		rule.Lease = &Lease{Max: l.Max, Expiry: duration(expiry, path.Child("lease", "expiry"), &errs)}
 	}
 	if len(errs) == 0 {
 		rule.Fields = newFields(&rule)

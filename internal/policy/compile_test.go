@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"k8s.io/utils/ptr"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -118,5 +119,26 @@ func TestCompileWhenRulesAreChargedByTheResponseOrHoldSlotsThenTheyCarryWhatTheP
 	}
 	if requests.OnResponse || requests.SeesResponse() {
 		t.Errorf("a rule charged when Request is decided as any other: %+v", requests)
+	}
+}
+
+// A lease carries its max and its expiry, 1s when absent; a rule without one has none.
+func TestCompileWhenARuleHasALeaseThenItCarriesItsMaxAndExpiry(t *testing.T) {
+	bucket := &v1alpha1.TokenBucket{Capacity: 100, Refill: v1alpha1.TokenRefill{Tokens: 10, Period: "1s"}}
+	p := newPolicy(
+		v1alpha1.Rule{Name: "leased", TokenBucket: bucket, Lease: &v1alpha1.Lease{Max: 10}},
+		v1alpha1.Rule{Name: "short", FixedWindow: &v1alpha1.Window{Limit: 1000, Window: "1m"},
+			Lease: &v1alpha1.Lease{Max: 1000, Expiry: ptr.To[v1alpha1.Duration]("250ms")}},
+		v1alpha1.Rule{Name: "plain", TokenBucket: bucket},
+	)
+	c, err := policy.Compile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []*policy.Lease{{Max: 10, Expiry: time.Second}, {Max: 1000, Expiry: 250 * time.Millisecond}, nil}
+	for i, w := range want {
+		if diff := cmp.Diff(w, c.Rules[i].Lease); diff != "" {
+			t.Errorf("%s's lease (-want +got):\n%s", c.Rules[i].Name, diff)
+		}
 	}
 }

@@ -16,7 +16,7 @@ import (
 
 // The bounds that moved from Go into the schema admit what is at them; one past each is refused
 // by the corpus of test/testdata/invalid (sliding-log-limit-above-10000, redis-address-port-*,
-// managed-redis-zero-memory, concurrency-*, charge-*, cost-from-*).
+// managed-redis-zero-memory, concurrency-*, charge-*, cost-from-*, lease-*).
 func TestSchemaBoundsWhenAtTheirEdgeThenAccepted(t *testing.T) {
 	ns := testenv.Namespace(t, k8s, "schema-bounds")
 	fixed := []v1alpha1.Rule{{Name: "a", FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1s"}}}
@@ -39,6 +39,12 @@ func TestSchemaBoundsWhenAtTheirEdgeThenAccepted(t *testing.T) {
 			CostFrom: &v1alpha1.CostFrom{ResponseHeader: v1alpha1.HeaderName(strings.Repeat("X", 256)), Max: 1000}}}, nil},
 		{"when costFrom.max is a billion", []v1alpha1.Rule{{Name: "a", SlidingWindowCounter: &v1alpha1.Window{Limit: 1_000_000_000, Window: "1h"},
 			Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenResponse}, CostFrom: &v1alpha1.CostFrom{ResponseHeader: "X-Tokens-Used", Max: 1_000_000_000}}}, nil},
+		{"when a lease's max is 2 and its expiry 100ms", []v1alpha1.Rule{{Name: "a", TokenBucket: &v1alpha1.TokenBucket{Capacity: 100, Refill: v1alpha1.TokenRefill{Tokens: 10, Period: "1s"}},
+			Lease: &v1alpha1.Lease{Max: 2, Expiry: ptr.To[v1alpha1.Duration]("100ms")}}}, redis("redis.example:6379")},
+		{"when a lease's max is a million, a window's limit, and its expiry 1m", []v1alpha1.Rule{{Name: "a", FixedWindow: &v1alpha1.Window{Limit: 1_000_000, Window: "1h"},
+			Lease: &v1alpha1.Lease{Max: 1_000_000, Expiry: ptr.To[v1alpha1.Duration]("1m")}}}, redis("redis.example:6379")},
+		{"when a lease's max is the bucket's capacity and the rule is charged on the request", []v1alpha1.Rule{{Name: "a", TokenBucket: &v1alpha1.TokenBucket{Capacity: 10, Refill: v1alpha1.TokenRefill{Tokens: 10, Period: "1s"}},
+			Mode: v1alpha1.ModeEnforce, Charge: &v1alpha1.Charge{When: v1alpha1.ChargeWhenRequest}, Lease: &v1alpha1.Lease{Max: 10}}}, redis("redis.example:6379")},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -131,6 +131,17 @@ func TestExplainWhenUsersReadTheFieldDocsThenTheySayWhatTheCodeDoes(t *testing.T
 			want:  []string{"response header or trailer", "a larger one is charged as max", "is charged cost instead, and counted", "takes it to exhaustion"},
 		},
 		{name: "when costFrom.max is explained then its bound is named", field: "rlp.spec.rules.costFrom.max", want: []string{"At most the rule's capacity or limit"}},
+		{
+			name:  "when a lease is explained then its early refusals, exactness, algorithms, memory and a killed enforcer's units are said",
+			field: "rlp.spec.rules.lease",
+			want: []string{"decide from them locally", "up to max-1 of the client's units unused", "never more than the limit is admitted across enforcer replicas",
+				"tokenBucket and fixedWindow only", "On memory storage every decision is local already", "on a fixed window they count until the window ends",
+				"stop counting against the bucket at the lease's expiry and refill from then"},
+		},
+		{name: "when a lease's max is explained then its bounds are named", field: "rlp.spec.rules.lease.max",
+			want: []string{"From 2 to 1000000", "at most the rule's capacity or limit"}},
+		{name: "when a lease's expiry is explained then its bounds and default are named", field: "rlp.spec.rules.lease.expiry",
+			want: []string{"From 100ms to 1m", "Defaults to 1s"}},
 		{name: "when a rule's skipped count is explained then the front ends are named", field: "rlp.status.rules.skipped", want: []string{"check API", "rate limit service"}},
 		{name: "when a rule's charged count is explained then it is the responses", field: "rlp.status.rules.charged", want: []string{"responses the rule charged"}},
 		{
