@@ -422,7 +422,7 @@ func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (
 			if len(checks) == MaxChecks {
 				return checks, rules, "", "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
 			}
-			c := store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem}
+			c := store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem, UnitLease: r.Lease}
 			if r.SeesResponse() {
 				if !req.SeesResponse {
 					rules = append(rules, matched{r, p}) // skipped: marked by no check (see skip)

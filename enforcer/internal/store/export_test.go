@@ -8,3 +8,6 @@ func (s *Redis) SetClock(f func() time.Time) { s.clock = f }
 
 // DecodeDecisions exposes the reply decoder to tests.
 var DecodeDecisions = decodeDecisions
+
+// LeaseKey exposes the key of a leased token bucket's leases to tests.
+func (c *Check) LeaseKey() string { return c.leaseKey() }

@@ -16,6 +16,7 @@ import (
 //	sl{<tag>}<rule>   a rule's state for one client: Check.Key, 28 bytes (a concurrency limit's
 //	                  is the sorted set of its client's leases, members <request>:<slots>)
 //	sl{<tag>}i<rec>   an idempotency record of that client: Check.recordKey
+//	sl{<tag>}l<rule>  the units enforcers lease of a token bucket rule: Check.leaseKey
 //
 // where <tag> is Tag(policy ID, ClientKey(...)), the Redis Cluster hash tag shared by every key
 // of one client of one policy, so that one script decides all of them; <rule> is RuleID; <rec>
@@ -32,6 +33,9 @@ func (c *Check) Key() string { return KeyPrefix + "{" + c.Tag + "}" + c.Rule }
 func (c *Check) recordKey() string {
 	return KeyPrefix + "{" + c.Tag + "}i" + c.Idempotency.Key
 }
+
+// leaseKey is the Redis key of the leases of a token bucket check: the units each enforcer holds.
+func (c *Check) leaseKey() string { return KeyPrefix + "{" + c.Tag + "}l" + c.Rule }
 
 // RulePattern matches every client's key of the rule whose ID is given: redis-cli --scan
 // --pattern '<pattern>'.

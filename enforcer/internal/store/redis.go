@@ -77,6 +77,8 @@ type Redis struct {
 	clock func() time.Time
 	// batch pipelines decisions; nil on a Cluster, where every tag may live on another node.
 	batch *batcher
+	// leases are the units this enforcer holds of leased rules.
+	leases leases
 }
 
 // NewRedis connects to Redis. It does not wait for Redis to answer: decisions fail until it does.
@@ -163,6 +165,9 @@ func (s *Redis) Close() error {
 func (s *Redis) Decide(ctx context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
+	if s.leasing(checks) {
+		return s.decideLeased(ctx, checks, out)
+	}
 	id := s.requestID(checks)
 
 	if !s.cluster {
@@ -220,7 +225,7 @@ func (s *Redis) settle(ctx context.Context, mode string, checks []Check, out []a
 	id := s.requestID(checks)
 	groups := [][]int{indexes(len(checks))}
 	if s.cluster {
-		groups = s.groups(checks)
+		groups = s.groups(checks, indexes(len(checks)))
 	}
 	var errs []error
 	for _, g := range groups {
@@ -235,7 +240,11 @@ func (s *Redis) settle(ctx context.Context, mode string, checks []Check, out []a
 
 // decideCluster decides on a Cluster: one script per hash tag of the decision.
 func (s *Redis) decideCluster(ctx context.Context, checks []Check, id string, out []algorithm.Decision) (bool, error) {
-	groups := s.groups(checks)
+	return s.decideGroups(ctx, checks, s.groups(checks, indexes(len(checks))), id, out)
+}
+
+// decideGroups decides the groups of checks, one script each, all or nothing.
+func (s *Redis) decideGroups(ctx context.Context, checks []Check, groups [][]int, id string, out []algorithm.Decision) (bool, error) {
 	if len(groups) == 1 {
 		ok, _, err := s.run(ctx, modeDecide, checks, groups[0], id, out, nil)
 		return ok, err
@@ -282,10 +291,11 @@ var commonIndexes = func() (idx [commonChecks]int) {
 	return idx
 }()
 
-// groups partitions a Cluster decision's checks by tag: the sets one script may decide.
-func (s *Redis) groups(checks []Check) [][]int {
+// groups partitions the checks of a Cluster decision named by idx by tag: the sets one script
+// may decide.
+func (s *Redis) groups(checks []Check, idx []int) [][]int {
 	var groups [][]int
-	for i := range checks {
+	for _, i := range idx {
 		placed := false
 		for gi, g := range groups {
 			if checks[g[0]].Tag == checks[i].Tag {
@@ -306,13 +316,14 @@ func (s *Redis) groups(checks []Check) [][]int {
 // repeats, uncharged.
 func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []int, id string, out []algorithm.Decision, free []bool) (bool, int64, error) {
 	keys := make([]string, len(group), len(group)+1)
-	args := make([]any, 4, 4+9*len(group))
-	args[0], args[1], args[2], args[3] = "", id, "", mode
+	args := make([]any, 5, 5+argsPerRule*len(group))
+	args[0], args[1], args[2], args[3], args[4] = "", id, "", mode, s.idBase
 	if s.clock != nil {
 		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
 	}
-	var records []string // the records' keys, KEYS[n+1...]
-	var specs string     // their windows and free repeats, ARGV[3]
+	var records []string   // the records' keys, KEYS[n+1...]
+	var leaseKeys []string // the leased token buckets' leases, after the records
+	var specs string       // their windows and free repeats, ARGV[3]
 	for i, ci := range group {
 		c := &checks[ci]
 		keys[i] = c.Key()
@@ -341,10 +352,22 @@ func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []in
 		if c.Deferred {
 			deferred = "1"
 		}
+		leases, take, expiry := 0, int64(-1), int64(0)
+		if c.UnitLease != nil {
+			if c.Limit.Kind == algorithm.TokenBucket {
+				leaseKeys = append(leaseKeys, c.leaseKey())
+				leases = len(leaseKeys)
+			}
+			if c.taking {
+				take, expiry = c.extra, c.UnitLease.Expiry.Microseconds()
+			}
+		}
 		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
-			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record, deferred)
+			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record, deferred,
+			leases, take, expiry, c.back, c.backAt)
 	}
 	keys = append(keys, records...)
+	keys = append(keys, leaseKeys...)
 	args[2] = specs
 	var reply any
 	var err error
@@ -375,13 +398,13 @@ func scriptFault(err error) bool {
 }
 
 // decodeDecisions reads the decide script's reply: {committed, now_us, then per rule allowed,
-// remaining, reset_us, retry_us, wait_us}. committed is 1 when the group was charged, 2 when
+// remaining, reset_us, retry_us, wait_us, leased}; leased goes to the check's granted. committed is 1 when the group was charged, 2 when
 // every rule passed as a free repeat (nothing charged, but the records counted the repeat, which
 // a refund takes back), 0 when refused; a rule's allowed is 2 when it passed as a free repeat, which free, when
 // not nil, receives. Anything else is ErrUnexpectedReply, never a panic.
 func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Decision, free []bool) (bool, int64, error) {
 	vals, ok := reply.([]any)
-	if !ok || len(vals) != 2+5*len(group) {
+	if !ok || len(vals) != 2+repliesPerRule*len(group) {
 		return false, 0, fmt.Errorf("%w: %T of %d values for %d rules", ErrUnexpectedReply, reply, len(vals), len(group))
 	}
 	ints := make([]int64, len(vals))
@@ -392,8 +415,11 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 		}
 		ints[i] = n
 	}
+	for _, ci := range group {
+		checks[ci].at = ints[1]
+	}
 	for i, ci := range group {
-		r := ints[2+5*i:]
+		r := ints[2+repliesPerRule*i:]
 		out[ci] = algorithm.Decision{
 			Allowed:   r[0] == 1 || r[0] == 2,
 			Limit:     checks[ci].Limit.Limit,
@@ -403,6 +429,9 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 		}
 		if free != nil {
 			free[ci] = r[0] == 2
+		}
+		if r[5] != 0 {
+			checks[ci].granted = r[5]
 		}
 		if r[3] == retryNever {
 			out[ci].Never = true
@@ -415,6 +444,12 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 	}
 	return false, ints[1], nil
 }
+
+// The decide script's arguments and reply values per rule (decide.lua).
+const (
+	argsPerRule    = 14
+	repliesPerRule = 6
+)
 
 // retryNever is the decide script's retry_us for a rule the request can never pass.
 const retryNever = -1

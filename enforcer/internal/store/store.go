@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/policy"
 )
 
 // Check is one rule to decide for one request.
@@ -42,7 +43,25 @@ type Check struct {
 	// it at Cost, and refuses the request if it could not admit that now, but charges nothing;
 	// Finish charges it once the response has ended.
 	Deferred bool
+	// UnitLease, on a token bucket or a fixed window, lets the Redis store lease units of the
+	// rule ahead and decide later requests from them without Redis (see UnitLease). Other stores
+	// decide every request themselves.
+	UnitLease *UnitLease
+
+	// The lease path's, for one script call: extra is how many units to lease beyond Cost
+	// (taking: and replace what this enforcer held); back is how many units of an expired lease
+	// leased at backAt (Redis's µs) to give back first; granted is how many the script leased,
+	// at (Redis's µs).
+	extra, back, backAt int64
+	taking              bool
+	granted, at         int64
 }
+
+// UnitLease is a rule's lease (policy.Lease): an enforcer takes up to Max units of a client's
+// limit from Redis at once and decides from them until they run out or Expiry passes. Leased
+// units are charged in Redis when taken, so never more than the limit is admitted across
+// enforcers; a request may be refused while other enforcers hold units, at most Max-1 each.
+type UnitLease = policy.Lease
 
 // Idempotency identifies a request by the key its client sent, for the decision to recognize
 // its repeats: the first is decided and charged as any request; a repeat within Window of an

@@ -4,17 +4,24 @@
 -- stores reach identical decisions. The same script, in another mode, ends a request once its
 -- response has ended (finish) or renews its leases (renew); see the end of the file.
 --
--- KEYS[i]   the key of rule i, i = 1..n; then KEYS[n+j], j = 1..m: idempotency record j
+-- KEYS[i]   the key of rule i, i = 1..n; then KEYS[n+j], j = 1..m: idempotency record j; then
+--           KEYS[n+m+k]: the leases of the k-th leased token bucket (see below)
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
 -- ARGV[2]   the request's id, unique per request: a sliding log's member for it, and a
 --           concurrency limit's lease, is id:cost
 -- ARGV[3]   "" or, per record j, "<window_ms>:<free repeats>", separated by spaces
 -- ARGV[4]   the mode: d (decide), f (finish) or r (renew)
--- ARGV[5+9(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or 0),
---           record (0 for none, else the j of the record of the rule's policy and client),
---           deferred (1 for a rule charged by the response: checked at cost, never charged here)
+-- ARGV[5]   the enforcer's name, unique per process: the field of the units it leases
+-- ARGV[6+12(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or
+--           0), record (0 for none, else the j of the record of the rule's policy and client),
+--           deferred (1 for a rule charged by the response: checked at cost, never charged here),
+--           leases (0 for none, else the k of the key of the bucket's leases), take (-1 for no
+--           lease; else the most units to lease beyond cost), expiry_us (the lease's), back
+--           (units of an expired lease its enforcer never used, given back first), back_us (the
+--           time they were leased at: a fixed window takes back only its own window's)
 --
--- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us};
+-- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us,
+-- leased}; leased is the units charged beyond cost for the enforcer to decide from (take);
 -- committed is 1 when the request was charged, 2 when it passed as a free repeat of an admitted
 -- request on every rule (nothing charged), 0 when it was refused. A rule's allowed is 2 when it
 -- passed as a free repeat: its record admitted the request before, so it is not charged. retry_us is -1 for a rule the request can
@@ -50,10 +57,18 @@
 --                               the sliding log: the slots held. Expired leases (score <= now)
 --                               are dropped, and their slots given back, by every call that
 --                               reads the key; the key's TTL is the last lease's expiry.
+--   leases of a token bucket:   a hash of one field per enforcer holding units of it,
+--                               "<units>:<expiry_us>". Leased units are charged to the bucket
+--                               when taken; while out, they also lower what the bucket may
+--                               refill to (limit - units out), so that the units an enforcer
+--                               holds and the bucket's own never make more than one bucket. An
+--                               expired lease's bound is applied up to its expiry, in expiry
+--                               order, then dropped; the hash outlives the last expiry by the
+--                               bucket's span, after which the bucket is full whatever it held.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local W = 9 -- ARGV per rule
-local B = 5 -- the first rule's first ARGV
+local W = 14 -- ARGV per rule
+local B = 6 -- the first rule's first ARGV
 
 local now
 if ARGV[1] ~= '' then
@@ -131,6 +146,47 @@ local function swcWrite(idx, cur, prev)
 end
 local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 
+-- The rules, the records and the lease keys.
+local n = (#ARGV - B + 1) / W
+local function arg(i, f) return ARGV[B + (i - 1) * W + f] end
+local nrecs = 0
+for _ in string.gmatch(ARGV[3], '(%d+):(%d+)') do nrecs = nrecs + 1 end
+
+-- leases[i], for a token bucket whose units enforcers lease: its hash's key, the units out, the
+-- bucket's time t with the expired leases' bounds applied, the fields of those, and the latest
+-- expiry of the others. Read once per call.
+local leases = {}
+local function leased(i, t, interval)
+  local k = tonumber(arg(i, 9))
+  if k == 0 then return t, 0 end
+  local l = leases[i]
+  if not l then
+    l = {key = KEYS[n + nrecs + k], out = 0, gone = {}, last = 0}
+    local all = redis.call('HGETALL', l.key)
+    local ended = {}
+    for j = 1, #all, 2 do
+      local u, e = string.match(all[j + 1], '^(%d+):(%d+)$')
+      u, e = tonumber(u), tonumber(e)
+      l.out = l.out + u
+      if e <= now then
+        ended[#ended + 1] = {u = u, e = e}
+        l.gone[#l.gone + 1] = all[j]
+      else
+        l.last = max(l.last, e)
+      end
+    end
+    table.sort(ended, function(a, b) return a.e < b.e end)
+    l.t = t
+    for _, x in ipairs(ended) do
+      -- Until x expired, the bucket held at most limit - out: t >= x.e + out * interval.
+      l.t = max(l.t, x.e + l.out * interval)
+      l.out = l.out - x.u
+    end
+    leases[i] = l
+  end
+  return max(t, l.t), l.out
+end
+
 -- decide decides rule i for a request of cost units, 0 <= cost <= limit. It returns allowed,
 -- remaining, reset_us, retry_us, wait_us and the value to write if the request is charged. It
 -- changes nothing, except that a sliding log drops entries that left its window.
@@ -147,9 +203,13 @@ local function decide(i, cost)
     local v = redis.call('GET', key)
     local t = 0
     if v then t = struct.unpack('<d', v) end
+    -- The units leased out are the bucket's too: it holds at most limit - out of its own.
+    local out
+    t, out = leased(i, t, interval)
+    local full = now + out * interval
     local nt = t
     if kind == 1 then
-      local base = max(t, now)
+      local base = max(t, full)
       local need = base - now + cost * interval
       allowed = need <= span + SLACK_US
       if allowed then
@@ -169,10 +229,11 @@ local function decide(i, cost)
         retry = us(start - min(span - own, maxwait) - now)
       end
     end
-    local ahead = max(nt, now) - now
+    local ahead = max(nt, full) - now
     remaining = min(limit, max(0, floor((span - ahead) / interval)))
     reset = us(ahead)
     if allowed and cost > 0 then write = {struct.pack('<d', nt)} end
+    if leases[i] then leases[i].nt = max(nt, full) end
 
   elseif kind == 3 then
     local idx = floor(now / period)
@@ -298,17 +359,15 @@ local function evaluate(i, cost)
   return decide(i, cost)
 end
 
--- The records, and the rules.
+-- The records.
 local recs = {}
 for w, f in string.gmatch(ARGV[3], '(%d+):(%d+)') do
   recs[#recs + 1] = {window = tonumber(w), free = tonumber(f)}
 end
-local n = #KEYS - #recs
 for j, r in ipairs(recs) do
   r.key = KEYS[n + j]
   r.seen = tonumber(redis.call('GET', r.key) or nil)
 end
-local function arg(i, f) return ARGV[B + (i - 1) * W + f] end
 local function enforced(i) return arg(i, 6) == '1' end
 local function rec(i) return recs[tonumber(arg(i, 7))] end
 local function deferred(i) return arg(i, 8) == '1' end
@@ -340,8 +399,34 @@ local function reply(res)
     out[#out + 1] = r[3]
     out[#out + 1] = r[4]
     out[#out + 1] = r[5]
+    out[#out + 1] = 0
   end
   return out
+end
+
+-- giveBack returns to rule i the units of an expired lease its enforcer never used: a token
+-- bucket's to the bucket, a fixed window's to its window if it is still the current one.
+local function giveBack(i)
+  local back = tonumber(arg(i, 12))
+  if back <= 0 then return end
+  local v = redis.call('GET', KEYS[i])
+  local kind, rate, period = tonumber(arg(i, 0)), tonumber(arg(i, 2)), tonumber(arg(i, 3))
+  if kind == 1 then
+    -- After the expired leases' bounds, which held until they expired: these units were held
+    -- then, and are back only now.
+    local t = 0
+    if v then t = struct.unpack('<d', v) end
+    local interval = period / rate
+    t = leased(i, t, interval) - back * interval
+    if leases[i] then leases[i].t = t end
+    if t > now then redis.call('SET', KEYS[i], struct.pack('<d', t), 'PX', ttl(t - now)) else redis.call('DEL', KEYS[i]) end
+  elseif v and kind == 3 then
+    local idx, w = floor(now / period), floor(tonumber(v) / FW_SHIFT)
+    if floor(tonumber(arg(i, 13)) / period) == idx and w == idx % FW_WINDOWS then
+      local c = tonumber(v) - w * FW_SHIFT
+      redis.call('SET', KEYS[i], fmt(w * FW_SHIFT + max(0, c - back)), 'KEEPTTL')
+    end
+  end
 end
 
 local mode = ARGV[4]
@@ -390,6 +475,8 @@ elseif mode == 'r' then
   return reply(res)
 end
 
+for i = 1, n do giveBack(i) end
+
 local res, free = {}, {}
 local commit, all_free = true, true
 for i = 1, n do
@@ -430,6 +517,22 @@ if commit then
   end
 end
 
+-- A lease: once the request is admitted, a rule asked to take charges up to that many units
+-- more, as many as it has left, for the enforcer to decide later requests from.
+local granted = {}
+if commit then
+  for i = 1, n do
+    local take, r = tonumber(arg(i, 10)), res[i]
+    if take > 0 and r[1] and not free[i] and enforced(i) and not deferred(i) then
+      local extra = min(take, r[2])
+      if extra > 0 then
+        local more = {evaluate(i, tonumber(arg(i, 5)) + extra)}
+        if more[1] then res[i], granted[i] = more, extra end
+      end
+    end
+  end
+end
+
 local out = {commit and (all_free and 2 or 1) or 0, now}
 local retry_max, never = 0, false
 for i = 1, n do
@@ -449,8 +552,38 @@ for i = 1, n do
   out[#out + 1] = r[3]
   out[#out + 1] = r[4]
   out[#out + 1] = r[5]
+  out[#out + 1] = granted[i] or 0
 end
+
+-- The token buckets' leases: the expired ones leave, their bounds kept in the bucket's time; an
+-- admitted request that took replaces what its enforcer held (spent by now) by what it took.
+local function settleLeases()
+  for i, l in pairs(leases) do
+    local r = res[i]
+    local charged = commit and r[1] and r[6] and not free[i]
+    if #l.gone > 0 then
+      redis.call('HDEL', l.key, unpack(l.gone))
+      if not charged and l.t > now then redis.call('SET', KEYS[i], struct.pack('<d', l.t), 'PX', ttl(l.t - now)) end
+    end
+    if commit and r[1] and not free[i] and tonumber(arg(i, 10)) >= 0 then
+      if granted[i] then
+        local e = now + tonumber(arg(i, 11))
+        redis.call('HSET', l.key, ARGV[5], granted[i] .. ':' .. fmt(e))
+        l.last = max(l.last, e)
+      else
+        redis.call('HDEL', l.key, ARGV[5])
+      end
+    end
+    if l.last > 0 then
+      local b = B + (i - 1) * W
+      local span = tonumber(ARGV[b + 1]) * tonumber(ARGV[b + 3]) / tonumber(ARGV[b + 2])
+      redis.call('PEXPIRE', l.key, ttl(l.last - now + span))
+    end
+  end
+end
+
 if not commit then
+  settleLeases()
   for _, r in ipairs(recs) do
     if not r.seen and not never then
       -- The first refusal of this request: its repeats are refused until its Retry-After. A
@@ -473,4 +606,5 @@ for i = 1, n do
   local r = res[i]
   if r[1] and r[6] and not free[i] then keep(i, r, id, tonumber(arg(i, 5))) end
 end
+settleLeases()
 return out
