@@ -147,7 +147,38 @@ func (s *Server) Start() error {
 		s.Kill()
 		return fmt.Errorf("redis-server on port %d did not answer PING: %w", s.Port, err)
 	}
+	// The port was free when chosen, but another process (a test binary of another package,
+	// running at the same time) may have taken it since: then this server fails to bind and
+	// exits, and the PING was the other's. Tests must never share a server unknowingly: one
+	// that stops its server would fail the other's decisions, which fail open.
+	if err := s.owns(c, cmd.Process.Pid); err != nil {
+		s.Kill()
+		return err
+	}
 	return nil
+}
+
+// owns fails unless the server answering on s's port is the process pid. A server that asks
+// for a password before INFO is taken as its own.
+func (s *Server) owns(c *redis.Client, pid int) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	info, err := c.Info(ctx, "server").Result()
+	if err != nil {
+		if strings.HasPrefix(err.Error(), "NOAUTH") {
+			return nil
+		}
+		return fmt.Errorf("redis-server on port %d: INFO: %w", s.Port, err)
+	}
+	for line := range strings.SplitSeq(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "process_id:"); ok {
+			if v != strconv.Itoa(pid) {
+				return fmt.Errorf("port %d is another redis-server's (process %s, not %d)", s.Port, v, pid)
+			}
+			return nil
+		}
+	}
+	return fmt.Errorf("redis-server on port %d: INFO server has no process_id", s.Port)
 }
 
 // Kill ends the process at once, as a crash would, and waits for it to exit.

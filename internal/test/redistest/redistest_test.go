@@ -3,12 +3,15 @@ package redistest_test
 import (
 	"context"
 	"fmt"
+	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -79,5 +82,27 @@ func TestClusterWhenStartedThenThreeMastersCoverAllSlotsAndRunLua(t *testing.T) 
 	}
 	if len(masters) != 3 {
 		t.Errorf("scripts ran on %d masters, want 3", len(masters))
+	}
+}
+
+// A server whose port another redis-server took meanwhile (another package's test binary) fails
+// to start, rather than answering PING with the other's: a test must never decide against a
+// server it does not own, which may stop under it.
+func TestStandaloneWhenAnotherServerHoldsItsPortThenStartFails(t *testing.T) {
+	s := redistest.NewServer(t)
+	s.Kill()
+	other := exec.Command("redis-server", "--port", strconv.Itoa(s.Port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	if err := other.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Process.Kill(); _ = other.Wait() })
+	c := redis.NewClient(&redis.Options{Addr: s.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	if err := poll.Until(10*time.Second, func() error { return c.Ping(context.Background()).Err() }); err != nil {
+		t.Fatal(err)
+	}
+	err := s.Start()
+	if err == nil || !strings.Contains(err.Error(), "another redis-server's") {
+		t.Fatalf("Start on a port another server holds: %v, want it refused", err)
 	}
 }
