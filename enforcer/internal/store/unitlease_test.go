@@ -313,3 +313,25 @@ func TestLeasesWhenALeaseExpiresUnusedThenItsUnitsGoBackWithTheNextTrip(t *testi
 		}
 	}
 }
+
+// An enforcer's own lease, spent, never lowers what it may take next: a bucket drained through one
+// enforcer and refilled for 59 s of a minute gives it 98 again, not the 51 that the 49 it was
+// last leased (still recorded, unexpired) would leave to the others.
+func TestLeasesWhenAnEnforcerSpentItsLeaseThenItsOwnRecordDoesNotHoldItBack(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	for topo, opts := range leaseTopologies() {
+		t.Run(topo, func(t *testing.T) {
+			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
+			stores := enforcers(t, 1, opts, clock.Now)
+			l := algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Minute}
+			checks := []store.Check{leased(l, uniqueTag(t), "r", 1, 50, time.Minute)}
+			if got := flood(t, stores, checks, 200, 4); got != 100 {
+				t.Fatalf("a full bucket: %d passed, want 100", got)
+			}
+			clock.Step(59 * time.Second)
+			if got := flood(t, stores, checks, 200, 4); got != 98 {
+				t.Fatalf("59 s later: %d passed, want the 98 refilled", got)
+			}
+		})
+	}
+}

@@ -164,9 +164,14 @@ local function leased(i, t, interval)
     l = {key = KEYS[n + nrecs + k], out = 0, gone = {}, last = 0}
     local all = redis.call('HGETALL', l.key)
     local ended = {}
+    -- A request that takes replaces what its enforcer held: units it spent, or spends now.
+    local mine = tonumber(arg(i, 10)) >= 0 and ARGV[5]
     for j = 1, #all, 2 do
       local u, e = string.match(all[j + 1], '^(%d+):(%d+)$')
       u, e = tonumber(u), tonumber(e)
+      if e > now and all[j] == mine then
+        u = 0
+      end
       l.out = l.out + u
       if e <= now then
         ended[#ended + 1] = {u = u, e = e}
