@@ -693,6 +693,11 @@ func jitter(res Result) Result {
 }
 
 func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algorithm.Decision) (bool, error) {
+	// Decided from leased units: Redis was not asked, so the breaker learns nothing, and the
+	// units decide even while it is open.
+	if d, ok := l.store.(store.LocalDecider); ok && d.DecideLocal(checks, out) {
+		return true, nil
+	}
 	if l.breaker == nil {
 		return l.store.Decide(ctx, checks, out)
 	}

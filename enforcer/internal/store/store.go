@@ -99,6 +99,14 @@ type Store interface {
 	Close() error
 }
 
+// LocalDecider is a store that decides some requests without its backend: the Redis store, from
+// the units it leased. DecideLocal reports whether it decided the request, which it then
+// admitted and charged; a caller that guards the backend (a circuit breaker) asks it first, so
+// that decisions that never reached the backend say nothing of its health.
+type LocalDecider interface {
+	DecideLocal(checks []Check, out []algorithm.Decision) bool
+}
+
 // ErrFault marks a decision that failed for a fault of its own, a bug or a configuration
 // problem, rather than because the store is unavailable: a script error, a key of the wrong type,
 // a reply that does not decode. Other rules and clients are unaffected, so it must not count

@@ -65,20 +65,7 @@ func (s *Redis) now() time.Time {
 // the checks the leases do not cover, and takes new leases for the leased ones, all or nothing
 // as ever: a refused request spends nothing it held.
 func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorithm.Decision) (bool, error) {
-	keys := make([]string, len(checks))
-	for i := range checks {
-		if leasable(&checks[i]) {
-			keys[i] = checks[i].Key()
-		}
-	}
-	// A rule named twice in one decision is decided in Redis, as without a lease.
-	for i := range keys {
-		for j := i + 1; j < len(keys); j++ {
-			if keys[i] != "" && keys[i] == keys[j] {
-				keys[i], keys[j] = "", ""
-			}
-		}
-	}
+	keys := leaseKeys(checks, make([]string, 0, len(checks)))
 	hs := make([]*held, len(checks))
 	for {
 		now := s.now()
@@ -119,6 +106,57 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 		}
 		return s.trip(ctx, checks, keys, hs, now, out)
 	}
+}
+
+// DecideLocal implements LocalDecider: it decides a request from the units this enforcer holds
+// when every check is leased and every lease holds its cost, and reports whether it did. It never
+// waits for Redis: a request whose rule Redis is being asked for is left to Decide.
+func (s *Redis) DecideLocal(checks []Check, out []algorithm.Decision) bool {
+	if len(checks) == 0 {
+		return false
+	}
+	for i := range checks {
+		if !leasable(&checks[i]) {
+			return false
+		}
+	}
+	var buf [4]string
+	keys := leaseKeys(checks, buf[:0])
+	now := s.now()
+	s.leases.mu.Lock()
+	defer s.leases.mu.Unlock()
+	for i := range checks {
+		h := s.leases.held[keys[i]]
+		if keys[i] == "" || h == nil || h.busy != nil || !h.valid(now) || h.left < checks[i].Cost {
+			return false
+		}
+	}
+	for i := range checks {
+		h := s.leases.held[keys[i]]
+		h.left -= checks[i].Cost
+		out[i] = h.decision(&checks[i], now)
+	}
+	return true
+}
+
+// leaseKeys appends to keys the key of each check whose lease the store decides from, "" for the
+// others: a rule named twice in one decision is decided in Redis, as without a lease.
+func leaseKeys(checks []Check, keys []string) []string {
+	for i := range checks {
+		k := ""
+		if leasable(&checks[i]) {
+			k = checks[i].Key()
+		}
+		keys = append(keys, k)
+	}
+	for i := range keys {
+		for j := i + 1; j < len(keys); j++ {
+			if keys[i] != "" && keys[i] == keys[j] {
+				keys[i], keys[j] = "", ""
+			}
+		}
+	}
+	return keys
 }
 
 // trip asks Redis for what the leases do not cover; s.leases.mu is held and is released.
