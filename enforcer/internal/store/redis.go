@@ -398,10 +398,11 @@ func scriptFault(err error) bool {
 }
 
 // decodeDecisions reads the decide script's reply: {committed, now_us, then per rule allowed,
-// remaining, reset_us, retry_us, wait_us, leased}; leased goes to the check's granted. committed is 1 when the group was charged, 2 when
-// every rule passed as a free repeat (nothing charged, but the records counted the repeat, which
-// a refund takes back), 0 when refused; a rule's allowed is 2 when it passed as a free repeat, which free, when
-// not nil, receives. Anything else is ErrUnexpectedReply, never a panic.
+// remaining, reset_us, retry_us, wait_us, leased}. committed is 1 when the group was charged, 2
+// when every rule passed as a free repeat (nothing charged, but the records counted the repeat,
+// which a refund takes back), 0 when refused; a rule's allowed is 2 when it passed as a free
+// repeat, which free, when not nil, receives. A check taking a lease (the lease path's copy of
+// it) receives what was leased, and when. Anything else is ErrUnexpectedReply, never a panic.
 func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Decision, free []bool) (bool, int64, error) {
 	vals, ok := reply.([]any)
 	if !ok || len(vals) != 2+repliesPerRule*len(group) {
@@ -415,9 +416,6 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 		}
 		ints[i] = n
 	}
-	for _, ci := range group {
-		checks[ci].at = ints[1]
-	}
 	for i, ci := range group {
 		r := ints[2+repliesPerRule*i:]
 		out[ci] = algorithm.Decision{
@@ -430,8 +428,8 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 		if free != nil {
 			free[ci] = r[0] == 2
 		}
-		if r[5] != 0 {
-			checks[ci].granted = r[5]
+		if checks[ci].taking {
+			checks[ci].granted, checks[ci].at = r[5], ints[1]
 		}
 		if r[3] == retryNever {
 			out[ci].Never = true
