@@ -11,3 +11,7 @@ var DecodeDecisions = decodeDecisions
 
 // LeaseKey exposes the key of a leased token bucket's leases to tests.
 func (c *Check) LeaseKey() string { return c.leaseKey() }
+
+// WaitRefills waits for the lease refills in flight, so that a test's clock moves only after
+// them.
+func (s *Redis) WaitRefills() { s.refills.Wait() }

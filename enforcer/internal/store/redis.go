@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -77,8 +78,10 @@ type Redis struct {
 	clock func() time.Time
 	// batch pipelines decisions; nil on a Cluster, where every tag may live on another node.
 	batch *batcher
-	// leases are the units this enforcer holds of leased rules.
-	leases leases
+	// leases are the units this enforcer holds of leased rules; refills, the trips in flight
+	// that take units ahead.
+	leases  leases
+	refills sync.WaitGroup
 }
 
 // NewRedis connects to Redis. It does not wait for Redis to answer: decisions fail until it does.
@@ -155,6 +158,7 @@ func (s *Redis) Timeout() time.Duration { return s.timeout }
 
 // Close stops sending decisions and closes the connections.
 func (s *Redis) Close() error {
+	s.refills.Wait()
 	if s.batch != nil {
 		s.batch.close()
 	}
@@ -364,7 +368,7 @@ func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []in
 		}
 		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
 			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record, deferred,
-			leases, take, expiry, c.back, c.backAt)
+			leases, take, expiry, c.back, c.backAt, c.hold, c.spent)
 	}
 	keys = append(keys, records...)
 	keys = append(keys, leaseKeys...)
@@ -445,7 +449,7 @@ func decodeDecisions(reply any, checks []Check, group []int, out []algorithm.Dec
 
 // The decide script's arguments and reply values per rule (decide.lua).
 const (
-	argsPerRule    = 14
+	argsPerRule    = 16
 	repliesPerRule = 6
 )
 

@@ -49,12 +49,13 @@ type Check struct {
 	UnitLease *UnitLease
 
 	// The lease path's, for one script call: extra is how many units to lease beyond Cost
-	// (taking: and replace what this enforcer held); back is how many units of an expired lease
-	// leased at backAt (Redis's µs) to give back first; granted is how many the script leased,
-	// at (Redis's µs).
-	extra, back, backAt int64
-	taking              bool
-	granted, at         int64
+	// (taking: and replace what this enforcer held by them and hold, units it keeps holding);
+	// back is how many units of an expired lease leased at backAt (Redis's µs) to give back
+	// first; spent is when the units this enforcer held were last spent (Redis's µs, 0: now);
+	// granted is how many the script leased, at (Redis's µs).
+	extra, hold, back, backAt, spent int64
+	taking                           bool
+	granted, at                      int64
 }
 
 // UnitLease is a rule's lease (policy.Lease): an enforcer takes up to Max units of a client's

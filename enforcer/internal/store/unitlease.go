@@ -20,12 +20,22 @@ type held struct {
 	// leased: a request decided from the lease reports remaining + left.
 	remaining int64
 	resetAt   time.Time
-	// at is when Redis leased them, in its µs: a fixed window takes back only its own
-	// window's units.
-	at int64
+	// at is when Redis leased them, in its µs (a fixed window takes back only its own window's
+	// units), asked for at sent by this process's clock; spent is when units were last spent.
+	at          int64
+	sent, spent time.Time
 	// busy, while this enforcer asks Redis for the rule, closes when the answer is in: one trip
 	// per rule and client at a time, so that what the enforcer holds is what Redis recorded.
 	busy chan struct{}
+	// refilling is true while the trip in flight takes units ahead (refill): requests the units
+	// left cover go on being decided from them meanwhile.
+	refilling bool
+}
+
+// ready reports whether a request of cost may be decided from the units held now: they cover
+// it, and no trip is in flight but a refill, which leaves them to use.
+func (h *held) ready(now time.Time, cost int64) bool {
+	return (h.busy == nil || h.refilling) && h.valid(now) && h.left >= cost
 }
 
 // leases are the units this enforcer holds, by the checks' keys.
@@ -79,13 +89,14 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 				continue
 			}
 			hs[i] = s.leases.get(keys[i])
+			if hs[i].ready(now, checks[i].Cost) {
+				continue
+			}
 			if hs[i].busy != nil {
 				wait = hs[i].busy
 				break
 			}
-			if !hs[i].valid(now) || hs[i].left < checks[i].Cost {
-				local = false
-			}
+			local = false
 		}
 		if wait != nil {
 			s.leases.mu.Unlock()
@@ -98,8 +109,7 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 		}
 		if local {
 			for i := range checks {
-				hs[i].left -= checks[i].Cost
-				out[i] = hs[i].decision(&checks[i], now)
+				s.spend(&checks[i], hs[i], now, &out[i])
 			}
 			s.leases.mu.Unlock()
 			return true, nil
@@ -127,16 +137,78 @@ func (s *Redis) DecideLocal(checks []Check, out []algorithm.Decision) bool {
 	defer s.leases.mu.Unlock()
 	for i := range checks {
 		h := s.leases.held[keys[i]]
-		if keys[i] == "" || h == nil || h.busy != nil || !h.valid(now) || h.left < checks[i].Cost {
+		if keys[i] == "" || h == nil || !h.ready(now, checks[i].Cost) {
 			return false
 		}
 	}
 	for i := range checks {
-		h := s.leases.held[keys[i]]
-		h.left -= checks[i].Cost
-		out[i] = h.decision(&checks[i], now)
+		s.spend(&checks[i], s.leases.held[keys[i]], now, &out[i])
 	}
 	return true
+}
+
+// spend decides c from the units h holds, which cover it (s.leases.mu is held), and refills
+// the lease ahead once a quarter of max or less is left, so that a busy client's requests
+// seldom find it empty and wait for Redis.
+func (s *Redis) spend(c *Check, h *held, now time.Time, out *algorithm.Decision) {
+	h.left -= c.Cost
+	h.spent = now
+	*out = h.decision(c, now)
+	if h.busy != nil || 4*h.left > c.UnitLease.Max {
+		return
+	}
+	done := make(chan struct{})
+	h.busy, h.refilling = done, true
+	ahead := *c
+	ahead.Cost, ahead.Idempotency = 0, nil
+	ahead.taking, ahead.extra, ahead.hold, ahead.spent = true, c.UnitLease.Max-h.left, h.left, h.spentAt()
+	s.refills.Add(1)
+	go s.refill(ahead, h, done, now)
+}
+
+// refill takes up to c.extra units more for h, which still holds c.hold: one script, whose
+// record of what this enforcer holds counts both; requests go on spending the units held
+// meanwhile, so they are at most c.hold when the answer comes. A failed refill changes nothing
+// here: units Redis may have leased are lost, never used twice.
+func (s *Redis) refill(c Check, h *held, done chan struct{}, sent time.Time) {
+	defer s.refills.Done()
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	checks, out := []Check{c}, make([]algorithm.Decision, 1)
+	ok, _, err := s.run(ctx, modeDecide, checks, []int{0}, s.requestID(checks), out, nil)
+	s.followFailover(ctx, err)
+
+	s.leases.mu.Lock()
+	defer s.leases.mu.Unlock()
+	if err == nil && ok && checks[0].granted > 0 {
+		if c.Limit.Kind == algorithm.FixedWindow && checks[0].at/c.Limit.Period.Microseconds() != h.at/c.Limit.Period.Microseconds() {
+			h.left = 0 // the units left were the last window's, and so was their time
+		}
+		h.left += checks[0].granted
+		h.grant(&c, checks[0].at, out[0], sent)
+	}
+	h.busy, h.refilling = nil, false
+	close(done)
+}
+
+// spentAt is when units of the lease were last spent, in Redis's µs, as late as it may have
+// been by Redis's clock (the lease was asked for before Redis granted it); 0 for none.
+func (h *held) spentAt() int64 {
+	if h.at == 0 {
+		return 0
+	}
+	return h.at + h.spent.Sub(h.sent).Microseconds()
+}
+
+// grant notes what Redis said of a take at at (its µs) asked for at sent (this process's clock).
+func (h *held) grant(c *Check, at int64, d algorithm.Decision, sent time.Time) {
+	h.at, h.sent, h.spent = at, sent, sent
+	h.remaining = d.Remaining
+	h.resetAt = sent.Add(d.Reset)
+	h.until = sent.Add(c.UnitLease.Expiry)
+	if c.Limit.Kind == algorithm.FixedWindow && d.Reset < c.UnitLease.Expiry {
+		h.until = h.resetAt // a fixed window's units are its window's
+	}
 }
 
 // leaseKeys appends to keys the key of each check whose lease the store decides from, "" for the
@@ -182,6 +254,9 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		c := &sub[i]
 		if h.valid(now) {
 			reserved[i] = h.left
+			if h.left > 0 {
+				h.spent = now // by this request, if it passes
+			}
 		} else if h.left > 0 {
 			// Expired, never used: given back (and not restored if the trip fails: Redis may
 			// have taken them back already).
@@ -194,7 +269,7 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		h.busy = done
 		c.Cost -= reserved[i]
 		// A check of no cost takes nothing: it charges nothing, and leaves nothing charged.
-		c.taking, c.extra = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost)
+		c.taking, c.extra, c.spent = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost), h.spentAt()
 		group = append(group, i)
 	}
 	s.leases.mu.Unlock()
@@ -228,15 +303,12 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		switch {
 		case !admitted:
 			h.left += reserved[i] // not spent
+		case covered[i]:
+			h.spent = now
 		case sub[i].taking:
 			// What it held was spent by this request; it holds what Redis just leased.
-			h.left, h.at = sub[i].granted, sub[i].at
-			h.remaining = out[i].Remaining
-			h.resetAt = now.Add(out[i].Reset)
-			h.until = now.Add(sub[i].UnitLease.Expiry)
-			if sub[i].Limit.Kind == algorithm.FixedWindow && out[i].Reset < sub[i].UnitLease.Expiry {
-				h.until = h.resetAt // a fixed window's units are its window's
-			}
+			h.left = sub[i].granted
+			h.grant(&sub[i], sub[i].at, out[i], now)
 		}
 		if err == nil {
 			if covered[i] || admitted && sub[i].taking {

@@ -66,6 +66,11 @@ func flood(t *testing.T, stores []store.Store, checks []store.Check, requests, g
 		})
 	}
 	wg.Wait()
+	for _, s := range stores {
+		if r, ok := s.(*store.Redis); ok {
+			r.WaitRefills()
+		}
+	}
 	if errs.Load() > 0 {
 		t.Fatalf("%d decisions failed", errs.Load())
 	}
@@ -245,7 +250,8 @@ func TestLeasesWhenOneEnforcerDecidesFromALeaseThenItsDecisionsAreTheMemoryStore
 	}
 }
 
-// A hot key through one enforcer leasing 100 at a time: about one script per 100 decisions.
+// A hot key through one enforcer leasing 100 at a time, refilled ahead when a quarter is left:
+// at most one script per 50 decisions.
 func TestLeasesWhenOneKeyIsHotThenAScriptDecidesAHundredRequests(t *testing.T) {
 	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
@@ -256,15 +262,16 @@ func TestLeasesWhenOneKeyIsHotThenAScriptDecidesAHundredRequests(t *testing.T) {
 	if got := flood(t, []store.Store{s}, checks, 10_000, 8); got != 10_000 {
 		t.Fatalf("%d of 10000 passed", got)
 	}
-	if scripts := scriptCalls(t, admin) - before; scripts > 101 {
-		t.Fatalf("%d scripts for 10,000 decisions, want at most 101 (a lease of 100 each)", scripts)
+	if scripts := scriptCalls(t, admin) - before; scripts > 200 {
+		t.Fatalf("%d scripts for 10,000 decisions, want at most 200 (leases of 75 to 100)", scripts)
 	}
 }
 
 // Units used at the last moment of their lease count as used then: a bucket whose lease
 // held 49 stays at most 51 of its own until the lease expires, so right after it, with the 49
-// spent just before, the others pass 51, not the 66 a bucket that forgot the bound would have
-// refilled to: 100 in a fifth of a second, one bucket.
+// spent just before, the others and the lease's own enforcer (which refilled its lease as it
+// ran low) pass 51 together, not the 66 a bucket that forgot the bound would have refilled to:
+// 100 in a fifth of a second, one bucket.
 func TestLeasesWhenUnitsAreSpentJustBeforeTheLeaseExpiresThenOneBucketIsAllThatPasses(t *testing.T) {
 	tier.Needs(t, "redis-server")
 	for topo, opts := range leaseTopologies() {
@@ -281,8 +288,9 @@ func TestLeasesWhenUnitsAreSpentJustBeforeTheLeaseExpiresThenOneBucketIsAllThatP
 				t.Fatalf("the lease's 49, just before it expires: %d passed", got)
 			}
 			clock.Step(200 * time.Millisecond)
-			if got := flood(t, stores[1:], checks, 200, 4); got != 51 {
-				t.Fatalf("right after the lease expired: %d passed, want 51: with the 49 just spent, one bucket", got)
+			others := flood(t, stores[1:], checks, 200, 4)
+			if got := others + flood(t, stores[:1], checks, 200, 4); got != 51 {
+				t.Fatalf("right after the lease expired: %d passed (%d through the others), want 51: with the 49 just spent, one bucket", got, others)
 			}
 		})
 	}

@@ -18,7 +18,9 @@
 --           leases (0 for none, else the k of the key of the bucket's leases), take (-1 for no
 --           lease; else the most units to lease beyond cost), expiry_us (the lease's), back
 --           (units of an expired lease its enforcer never used, given back first), back_us (the
---           time they were leased at: a fixed window takes back only its own window's)
+--           time they were leased at: a fixed window takes back only its own window's), hold
+--           (units of its lease the enforcer keeps holding beside those it takes), spent_us (when
+--           it last spent units of its lease; 0 for now)
 --
 -- Returns {committed, now_us, then per rule: allowed, remaining, reset_us, retry_us, wait_us,
 -- leased}; leased is the units charged beyond cost for the enforcer to decide from (take);
@@ -67,7 +69,7 @@
 --                               bucket's span, after which the bucket is full whatever it held.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local W = 14 -- ARGV per rule
+local W = 16 -- ARGV per rule
 local B = 6 -- the first rule's first ARGV
 
 local now
@@ -164,13 +166,17 @@ local function leased(i, t, interval)
     l = {key = KEYS[n + nrecs + k], out = 0, gone = {}, last = 0}
     local all = redis.call('HGETALL', l.key)
     local ended = {}
-    -- A request that takes replaces what its enforcer held: units it spent, or spends now.
+    -- A request that takes replaces what its enforcer held: units it has spent, or spends now,
+    -- but for those it keeps holding. They were held until it last spent some: the bound of
+    -- all of them holds until then, like an expiry's.
     local mine = tonumber(arg(i, 10)) >= 0 and ARGV[5]
     for j = 1, #all, 2 do
       local u, e = string.match(all[j + 1], '^(%d+):(%d+)$')
       u, e = tonumber(u), tonumber(e)
       if e > now and all[j] == mine then
-        u = 0
+        local spent = tonumber(arg(i, 15))
+        if spent <= 0 or spent > now then spent = now end
+        ended[#ended + 1] = {u = u - min(u, tonumber(arg(i, 14))), e = spent}
       end
       l.out = l.out + u
       if e <= now then
@@ -571,9 +577,10 @@ local function settleLeases()
       if not charged and l.t > now then redis.call('SET', KEYS[i], struct.pack('<d', l.t), 'PX', ttl(l.t - now)) end
     end
     if commit and r[1] and not free[i] and tonumber(arg(i, 10)) >= 0 then
-      if granted[i] then
+      local units = (granted[i] or 0) + tonumber(arg(i, 14))
+      if units > 0 then
         local e = now + tonumber(arg(i, 11))
-        redis.call('HSET', l.key, ARGV[5], granted[i] .. ':' .. fmt(e))
+        redis.call('HSET', l.key, ARGV[5], units .. ':' .. fmt(e))
         l.last = max(l.last, e)
       else
         redis.call('HDEL', l.key, ARGV[5])
