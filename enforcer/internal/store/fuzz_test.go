@@ -296,10 +296,19 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 // same states.
 func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote func(i int) bool, ends map[string]time.Time, now time.Time) (same bool) {
 	t.Helper()
+	keys := make([]string, len(checks))
+	for i := range checks {
+		keys[i] = checks[i].Key()
+	}
+	return keepKeyTTLs(t, c, keys, wrote, ends, now)
+}
+
+// keepKeyTTLs is keepKeys for keys by name: wrote(i) is whether the call wrote keys[i].
+func keepKeyTTLs(t *testing.T, c redis.UniversalClient, keys []string, wrote func(i int) bool, ends map[string]time.Time, now time.Time) (same bool) {
+	t.Helper()
 	ctx := context.Background()
 	same = true
-	for i := range checks {
-		k := checks[i].Key()
+	for i, k := range keys {
 		ttl, err := c.PTTL(ctx, k).Result()
 		switch {
 		case err != nil:
@@ -313,7 +322,7 @@ func keepKeys(t *testing.T, c redis.UniversalClient, checks []store.Check, wrote
 		case ttl == -2*time.Nanosecond:
 			continue // no such key
 		case ttl < 0: // -1: no TTL; 0 is one that ends within the millisecond
-			t.Fatalf("key %s of rule %d has no TTL: PTTL %v", k, i, ttl)
+			t.Fatalf("key %s has no TTL: PTTL %v", k, ttl)
 		case ttl > keyExtension/2:
 			// Not written since the test extended it: the end noted then stands. (Read as a new
 			// TTL, it would keep a key for ever, and a sliding window counter's packed window

@@ -306,33 +306,7 @@ func TestStoresWhenFiftyGoroutinesRaceThenExactlyTheLimitPasses(t *testing.T) {
 
 func race(t *testing.T, stores []store.Store, l algorithm.Limit, tag string, requests, goroutines int) int {
 	t.Helper()
-	var passed, errs atomic.Int64
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	for g := range goroutines {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s := stores[g%len(stores)]
-			checks := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: tag, Rule: "r"}}
-			out := make([]algorithm.Decision, 1)
-			for next.Add(1) <= int64(requests) {
-				ok, err := s.Decide(context.Background(), checks, out)
-				if err != nil {
-					errs.Add(1)
-					continue
-				}
-				if ok {
-					passed.Add(1)
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	if errs.Load() > 0 {
-		t.Fatalf("%d decisions failed", errs.Load())
-	}
-	return int(passed.Load())
+	return flood(t, stores, []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: tag, Rule: "r"}}, requests, goroutines)
 }
 
 // A burst rule and a sustained rule on one key: a request the burst rule refuses does not consume
