@@ -142,6 +142,7 @@ func TestEnforcerBinaryWhenKilledHoldingLeasedUnitsThenTheBucketIsWholeOnceTheLe
 		got = sendAll(t, survivors, "k", n, 8)
 		return got, want + int(time.Since(start).Seconds()*50) + 1
 	}
+	// Real time for the bucket to refill past what it may hold while the lease lasts.
 	time.Sleep(time.Until(leased.Add(3 * time.Second)))
 	got, most := sendFor(100, 51)
 	if during := time.Since(leased); during >= 10*time.Second {
@@ -150,6 +151,7 @@ func TestEnforcerBinaryWhenKilledHoldingLeasedUnitsThenTheBucketIsWholeOnceTheLe
 	if got < 51 || got > most {
 		t.Fatalf("3 s into the lease: %d passed, want 51 to %d: the bucket refills to 100 less the 49 leased", got, most)
 	}
+	// Real time for the lease to expire (10 s) and the bucket to refill whole (2 s).
 	time.Sleep(time.Until(leased.Add(10*time.Second + 2*time.Second + 500*time.Millisecond)))
 	if got, most := sendFor(150, 100); got < 100 || got > most {
 		t.Fatalf("after the lease expired and the bucket refilled: %d passed, want the whole capacity (100 to %d)", got, most)
