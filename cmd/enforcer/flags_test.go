@@ -32,9 +32,10 @@ spec:
 // run runs the enforcer binary with args until it exits, and returns its exit code and output.
 func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
 	t.Helper()
+	bin := binary(t) // before the timeout starts: a cold build takes minutes
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, binary(t), args...)
+	cmd := exec.CommandContext(ctx, bin, args...)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut
 	err := cmd.Run()

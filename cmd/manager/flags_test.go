@@ -70,9 +70,10 @@ func TestFlagsWhenACombinationCannotWorkThenTheManagerExits2NamingTheFlags(t *te
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			bin := binary(t) // before the timeout starts: a cold build takes minutes
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			cmd := exec.CommandContext(ctx, binary(t), c.args...)
+			cmd := exec.CommandContext(ctx, bin, c.args...)
 			// No cluster: a manager that got past its flags would fail to find one, with exit 1.
 			cmd.Env = append(os.Environ(), "KUBECONFIG=/nonexistent")
 			var out bytes.Buffer
@@ -107,8 +108,9 @@ func TestFlagsWhenACombinationCanWorkThenTheManagerGoesOn(t *testing.T) {
 		{"--webhook-cert-dir=/certs"},
 		{"--workers=1", "--kube-api-qps=0.1", "--kube-api-burst=1", "--report-interval=1ms", "--redis-probe-interval=0s"},
 	} {
+		bin := binary(t) // before the timeout starts: a cold build takes minutes
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		cmd := exec.CommandContext(ctx, binary(t), args...)
+		cmd := exec.CommandContext(ctx, bin, args...)
 		cmd.Env = append(os.Environ(), "KUBECONFIG=/nonexistent")
 		out, err := cmd.CombinedOutput()
 		cancel()
