@@ -15,3 +15,7 @@ func (c *Check) LeaseKey() string { return c.leaseKey() }
 // WaitRefills waits for the lease refills in flight, so that a test's clock moves only after
 // them.
 func (s *Redis) WaitRefills() { s.refills.Wait() }
+
+// BeforeLeaseScript makes f run before each script of the leases (a trip or a refill) is sent,
+// once its units are reserved.
+func (s *Redis) BeforeLeaseScript(f func()) { s.leaseScript = f }

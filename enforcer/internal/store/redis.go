@@ -76,6 +76,10 @@ type Redis struct {
 	seq     atomic.Uint64
 	// clock, when set by tests, replaces Redis TIME. Production leaves it nil.
 	clock func() time.Time
+	// leaseScript, when set by tests, runs before each script of the leases (a trip, a refill),
+	// once it reserved its units: it holds a decision between its bookkeeping and Redis.
+	// Production leaves it nil.
+	leaseScript func()
 	// batch pipelines decisions; nil on a Cluster, where every tag may live on another node.
 	batch *batcher
 	// leases are the units this enforcer holds of leased rules; refills, the trips in flight
@@ -158,6 +162,9 @@ func (s *Redis) Timeout() time.Duration { return s.timeout }
 
 // Close stops sending decisions and closes the connections.
 func (s *Redis) Close() error {
+	s.leases.mu.Lock()
+	s.leases.closed = true
+	s.leases.mu.Unlock()
 	s.refills.Wait()
 	if s.batch != nil {
 		s.batch.close()

@@ -30,6 +30,12 @@ type held struct {
 	// refilling is true while the trip in flight takes units ahead (refill): requests the units
 	// left cover go on being decided from them meanwhile.
 	refilling bool
+	// gen changes whenever left stops counting units a request took from it: a script that
+	// replaces what Redis records this enforcer holds by what it holds then (a take, a refill),
+	// and a fixed window's refill that drops the last window's units. A refused request gives
+	// back what it took from left only if gen is still the one it took them at; else Redis no
+	// longer counts them as held here, and they are lost (refused too early), never used twice.
+	gen uint64
 }
 
 // ready reports whether a request of cost may be decided from the units held now: they cover
@@ -43,14 +49,18 @@ type leases struct {
 	mu      sync.Mutex
 	held    map[string]*held
 	sweepAt int
+	// closed is set by Close: no refill starts after it.
+	closed bool
 }
 
 // leasable reports whether the lease path decides a check from its lease: an enforced check of
 // a token bucket or fixed window with a lease, charged now, and no idempotency record to read
-// (the API refuses the others; this keeps the store exact whatever it is given).
+// (the API refuses the others; this keeps the store exact whatever it is given). A cost above
+// the limit never passes: Redis says so (Never), as without a lease, and no unit held is
+// touched.
 func leasable(c *Check) bool {
 	return c.UnitLease != nil && c.UnitLease.Max > 1 && c.Enforce && !c.Deferred && c.Idempotency == nil &&
-		c.Cost >= 0 && (c.Limit.Kind == algorithm.TokenBucket || c.Limit.Kind == algorithm.FixedWindow)
+		c.Cost >= 0 && c.Cost <= c.Limit.Limit && (c.Limit.Kind == algorithm.TokenBucket || c.Limit.Kind == algorithm.FixedWindow)
 }
 
 // leasing reports whether a decision has a leasable check.
@@ -154,11 +164,12 @@ func (s *Redis) spend(c *Check, h *held, now time.Time, out *algorithm.Decision)
 	h.left -= c.Cost
 	h.spent = now
 	*out = h.decision(c, now)
-	if h.busy != nil || 4*h.left > c.UnitLease.Max {
+	if h.busy != nil || 4*h.left > c.UnitLease.Max || s.leases.closed {
 		return
 	}
 	done := make(chan struct{})
 	h.busy, h.refilling = done, true
+	h.gen++ // its record holds h.left, not what requests took from it before
 	ahead := *c
 	ahead.Cost, ahead.Idempotency = 0, nil
 	ahead.taking, ahead.extra, ahead.hold, ahead.spent = true, c.UnitLease.Max-h.left, h.left, h.spentAt()
@@ -172,6 +183,9 @@ func (s *Redis) spend(c *Check, h *held, now time.Time, out *algorithm.Decision)
 // here: units Redis may have leased are lost, never used twice.
 func (s *Redis) refill(c Check, h *held, done chan struct{}, sent time.Time) {
 	defer s.refills.Done()
+	if s.leaseScript != nil {
+		s.leaseScript()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
 	checks, out := []Check{c}, make([]algorithm.Decision, 1)
@@ -183,6 +197,7 @@ func (s *Redis) refill(c Check, h *held, done chan struct{}, sent time.Time) {
 	if err == nil && ok && checks[0].granted > 0 {
 		if c.Limit.Kind == algorithm.FixedWindow && checks[0].at/c.Limit.Period.Microseconds() != h.at/c.Limit.Period.Microseconds() {
 			h.left = 0 // the units left were the last window's, and so was their time
+			h.gen++
 		}
 		h.left += checks[0].granted
 		h.grant(&c, checks[0].at, out[0], sent)
@@ -236,6 +251,7 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 	sub := make([]Check, len(checks))
 	copy(sub, checks)
 	reserved := make([]int64, len(checks))
+	gens := make([]uint64, len(checks))
 	covered := make([]bool, len(checks))
 	var group []int
 	var done chan struct{}
@@ -247,7 +263,7 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		}
 		if h.valid(now) && h.left >= sub[i].Cost {
 			// Covered: spent if the request is admitted, given back if not.
-			covered[i], reserved[i] = true, sub[i].Cost
+			covered[i], reserved[i], gens[i] = true, sub[i].Cost, h.gen
 			h.left -= sub[i].Cost
 			continue
 		}
@@ -263,6 +279,8 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 			c.back, c.backAt = h.left, h.at
 		}
 		h.left = 0
+		h.gen++ // a take records what it takes, and no more
+		gens[i] = h.gen
 		if done == nil {
 			done = make(chan struct{})
 		}
@@ -273,6 +291,9 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		group = append(group, i)
 	}
 	s.leases.mu.Unlock()
+	if s.leaseScript != nil {
+		s.leaseScript()
+	}
 
 	id := s.requestID(sub)
 	var ok bool
@@ -302,7 +323,11 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		}
 		switch {
 		case !admitted:
-			h.left += reserved[i] // not spent
+			// Not spent: back, if Redis counts them held here still. A trip that failed may have
+			// run, and a take that ran counted what it held as spent.
+			if h.gen == gens[i] && (covered[i] || err == nil) {
+				h.left += reserved[i]
+			}
 		case covered[i]:
 			h.spent = now
 		case sub[i].taking:
