@@ -66,10 +66,22 @@ func admit(t *testing.T, s store.Store, checks ...store.Check) bool {
 	return ok
 }
 
-// refuses reports whether s refuses the request of checks, and answers.
-func refuses(s store.Store, checks ...store.Check) bool {
-	ok, err := s.Decide(context.Background(), checks, make([]algorithm.Decision, len(checks)))
-	return err == nil && !ok
+// refusedWhile sends the request of checks, which the rule spent refuses, through s, holds its
+// script once it reserved its units, runs meanwhile, and lets it go on.
+func refusedWhile(t *testing.T, g *gates, s store.Store, meanwhile func(), checks ...store.Check) {
+	t.Helper()
+	held := g.next()
+	refused := make(chan bool)
+	go func() {
+		ok, err := s.Decide(context.Background(), checks, make([]algorithm.Decision, len(checks)))
+		refused <- err == nil && !ok
+	}()
+	<-held.reached
+	meanwhile()
+	close(held.open)
+	if !<-refused {
+		t.Fatal("the request that the spent rule refuses was not refused")
+	}
 }
 
 // admitted is how many of n requests of c pass through s, one after the other.
@@ -111,16 +123,11 @@ func TestLeasesWhenARefusedRequestsUnitsWereReplacedByANewWindowsTakeThenTheyAre
 	}
 	all := a
 	all.Cost = 4
-	held := g.next()
-	refused := make(chan bool)
-	go func() { refused <- refuses(s, all, refusing) }()
-	<-held.reached
-	clock.Step(31 * time.Minute)
-	passed := admitted(t, s, a, 1) // the next window: a take
-	close(held.open)
-	if !<-refused {
-		t.Fatal("the request that the spent rule refuses was not refused")
-	}
+	passed := 0
+	refusedWhile(t, g, s, func() {
+		clock.Step(31 * time.Minute)
+		passed = admitted(t, s, a, 1) // the next window: a take
+	}, all, refusing)
 	if passed += admitted(t, s, a, 30); passed != 10 {
 		t.Fatalf("%d passed in a window of 10", passed)
 	}
@@ -143,17 +150,11 @@ func TestLeasesWhenARefusedRequestsUnitsWereReplacedByATakeThenOneBucketIsAllTha
 	}
 	all := a
 	all.Cost = 49
-	held := g.next()
-	refused := make(chan bool)
-	go func() { refused <- refuses(s, all, refusing) }()
-	<-held.reached
-	if !admit(t, s, a) { // nothing left to use: takes 50
-		t.Fatal("the request that takes was refused")
-	}
-	close(held.open)
-	if !<-refused {
-		t.Fatal("the request that the spent rule refuses was not refused")
-	}
+	refusedWhile(t, g, s, func() {
+		if !admit(t, s, a) { // nothing left to use: takes 50
+			t.Fatal("the request that takes was refused")
+		}
+	}, all, refusing)
 	s.(*store.Redis).WaitRefills()
 	clock.Step(59 * time.Second) // the bucket refilled, the leases not yet expired
 	if passed := admitted(t, s, a, 150) + admitted(t, other, a, 150); passed > 100 {
@@ -178,17 +179,11 @@ func TestLeasesWhenARefillWasSentAfterARequestTookUnitsThenTheyAreNotGivenBack(t
 	}
 	some := a
 	some.Cost = 20
-	held := g.next()
-	refused := make(chan bool)
-	go func() { refused <- refuses(s, some, refusing) }()
-	<-held.reached
-	if admitted(t, s, a, 9) != 9 { // holds 10: a quarter of 40, refilled ahead to 40
-		t.Fatal("a request within the lease was refused")
-	}
-	close(held.open)
-	if !<-refused {
-		t.Fatal("the request that the spent rule refuses was not refused")
-	}
+	refusedWhile(t, g, s, func() {
+		if admitted(t, s, a, 9) != 9 { // holds 10: a quarter of 40, refilled ahead to 40
+			t.Fatal("a request within the lease was refused")
+		}
+	}, some, refusing)
 	clock.Step(59 * time.Second) // the bucket refilled, the leases not yet expired
 	if passed := admitted(t, s, a, 150) + admitted(t, other, a, 150); passed > 100 {
 		t.Fatalf("%d passed at one instant, from a bucket of 100", passed)
@@ -216,17 +211,11 @@ func TestLeasesWhenARefillCrossesIntoTheNextWindowThenUnitsOfTheLastAreNotGivenB
 	<-refill.reached
 	both := a
 	both.Cost = 2
-	held := g.next()
-	refused := make(chan bool)
-	go func() { refused <- refuses(s, both, refusing) }()
-	<-held.reached
-	clock.Step(40 * time.Second)
-	close(refill.open)
-	s.(*store.Redis).WaitRefills()
-	close(held.open)
-	if !<-refused {
-		t.Fatal("the request that the spent rule refuses was not refused")
-	}
+	refusedWhile(t, g, s, func() {
+		clock.Step(40 * time.Second)
+		close(refill.open)
+		s.(*store.Redis).WaitRefills()
+	}, both, refusing)
 	if passed := admitted(t, s, a, 40); passed != 20 {
 		t.Fatalf("%d passed in a window of 20", passed)
 	}
