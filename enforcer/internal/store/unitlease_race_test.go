@@ -133,60 +133,50 @@ func TestLeasesWhenARefusedRequestsUnitsWereReplacedByANewWindowsTakeThenTheyAre
 	}
 }
 
-// The token bucket's form: a take records that this enforcer holds what it took, no more; units
-// a refused request gives back after it would be out of the bucket without Redis knowing, and
-// the bucket would refill past its capacity: 149 at one instant of a bucket of 100.
-func TestLeasesWhenARefusedRequestsUnitsWereReplacedByATakeThenOneBucketIsAllThatPasses(t *testing.T) {
+// The token bucket's form: a take, or a refill sent after the request took its units, records
+// that this enforcer holds what it held then, not the units the request took; given back after
+// it, they would be out of the bucket without Redis knowing, and the bucket would refill past its
+// capacity: 149 (a take) or 120 (a refill) would pass at one instant of a bucket of 100.
+func TestLeasesWhenARefusedRequestsUnitsWereReplacedThenOneBucketIsAllThatPasses(t *testing.T) {
 	tier.Needs(t, "redis-server")
-	clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
-	stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-	s, other := stores[0], stores[1]
-	g := holdScripts(s)
-	tag := uniqueTag(t)
-	a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Minute}, tag, "a", 1, 50, time.Minute)
-	refusing := spent(t, s, tag)
-	if !admit(t, s, a) { // takes 50, holds 49
-		t.Fatal("the first request was refused")
-	}
-	all := a
-	all.Cost = 49
-	refusedWhile(t, g, s, func() {
-		if !admit(t, s, a) { // nothing left to use: takes 50
-			t.Fatal("the request that takes was refused")
-		}
-	}, all, refusing)
-	s.(*store.Redis).WaitRefills()
-	clock.Step(59 * time.Second) // the bucket refilled, the leases not yet expired
-	if passed := admitted(t, s, a, 150) + admitted(t, other, a, 150); passed > 100 {
-		t.Fatalf("%d passed at one instant, from a bucket of 100", passed)
-	}
-}
-
-// A refill records what the enforcer holds when it is sent: units a refused request took before
-// are not among them, and are not given back after it (120 would pass at one instant of a bucket
-// of 100).
-func TestLeasesWhenARefillWasSentAfterARequestTookUnitsThenTheyAreNotGivenBack(t *testing.T) {
-	tier.Needs(t, "redis-server")
-	clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
-	stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-	s, other := stores[0], stores[1]
-	g := holdScripts(s)
-	tag := uniqueTag(t)
-	a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Minute}, tag, "a", 1, 40, time.Minute)
-	refusing := spent(t, s, tag)
-	if !admit(t, s, a) { // takes 40, holds 39
-		t.Fatal("the first request was refused")
-	}
-	some := a
-	some.Cost = 20
-	refusedWhile(t, g, s, func() {
-		if admitted(t, s, a, 9) != 9 { // holds 10: a quarter of 40, refilled ahead to 40
-			t.Fatal("a request within the lease was refused")
-		}
-	}, some, refusing)
-	clock.Step(59 * time.Second) // the bucket refilled, the leases not yet expired
-	if passed := admitted(t, s, a, 150) + admitted(t, other, a, 150); passed > 100 {
-		t.Fatalf("%d passed at one instant, from a bucket of 100", passed)
+	for _, c := range []struct {
+		name       string
+		most, cost int64
+		meanwhile  func(t *testing.T, s store.Store, a store.Check)
+	}{
+		{"by a take", 50, 49, func(t *testing.T, s store.Store, a store.Check) {
+			t.Helper()
+			if !admit(t, s, a) { // nothing left to use: takes 50
+				t.Fatal("the request that takes was refused")
+			}
+		}},
+		{"by a refill sent after", 40, 20, func(t *testing.T, s store.Store, a store.Check) {
+			t.Helper()
+			if admitted(t, s, a, 9) != 9 { // holds 10: a quarter of 40, refilled ahead to 40
+				t.Fatal("a request within the lease was refused")
+			}
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
+			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+			s, other := stores[0], stores[1]
+			g := holdScripts(s)
+			tag := uniqueTag(t)
+			a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Minute}, tag, "a", 1, c.most, time.Minute)
+			refusing := spent(t, s, tag)
+			if !admit(t, s, a) { // takes most, holds most - 1
+				t.Fatal("the first request was refused")
+			}
+			some := a
+			some.Cost = c.cost
+			refusedWhile(t, g, s, func() { c.meanwhile(t, s, a) }, some, refusing)
+			s.(*store.Redis).WaitRefills()
+			clock.Step(59 * time.Second) // the bucket refilled, the leases not yet expired
+			if passed := admitted(t, s, a, 150) + admitted(t, other, a, 150); passed > 100 {
+				t.Fatalf("%d passed at one instant, from a bucket of 100", passed)
+			}
+		})
 	}
 }
 
