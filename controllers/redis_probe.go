@@ -62,6 +62,14 @@ func SharedProbe(probe RedisProbe, ttl time.Duration, clk clock.PassiveClock) Re
 			return res.err
 		}
 		ch := flight.DoChan(key, func() (any, error) {
+			// A caller that missed the cache while the last flight stored its result, and
+			// came after that flight ended, finds the result here.
+			mu.Lock()
+			cached, ok := results[key]
+			mu.Unlock()
+			if ok && clk.Since(cached.at) < ttl {
+				return cached, nil
+			}
 			probeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sharedProbeTimeout)
 			defer cancel()
 			err := probe(probeCtx, addrs)

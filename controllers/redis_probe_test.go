@@ -97,3 +97,25 @@ func TestSharedProbeWhenTheFirstCallerIsCancelledThenTheOthersGetTheRealResult(t
 		t.Errorf("the cached result is %v after %d probes, want nil after 1", err, calls.Load())
 	}
 }
+
+// Callers that arrive while a probe ends find its result: one that missed the cache just before
+// the probe stored its result, and joined no flight since the flight had ended, does not probe
+// again.
+func TestSharedProbeWhenCallersArriveAsTheProbeEndsThenItIsProbedOnce(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(time.Unix(1_700_000_000, 0))
+	for round := range 2000 {
+		var calls atomic.Int32
+		probe := controllers.SharedProbe(func(context.Context, []string) error {
+			calls.Add(1)
+			return nil
+		}, time.Minute, clk)
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() { _ = probe(context.Background(), []string{"redis:6379"}) })
+		}
+		wg.Wait()
+		if n := calls.Load(); n != 1 {
+			t.Fatalf("round %d: 4 callers probed %d times, want 1", round, n)
+		}
+	}
+}
