@@ -50,8 +50,8 @@ type Check struct {
 
 	// The lease path's, for one script call: extra is how many units to lease beyond Cost
 	// (taking: and replace what this enforcer held by them and hold, units it keeps holding);
-	// back is how many units of an expired lease leased at backAt (Redis's µs) to give back
-	// first; spent is when the units this enforcer held were last spent (Redis's µs, 0: now);
+	// back is how many units of a fixed window's lease leased at backAt (Redis's µs), expired
+	// or ending, to give back first; spent is when the units this enforcer held were last spent (Redis's µs, 0: now);
 	// granted is how many the script leased, at (Redis's µs).
 	extra, hold, back, backAt, spent int64
 	taking                           bool

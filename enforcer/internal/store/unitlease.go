@@ -16,6 +16,13 @@ type held struct {
 	// window, before the window ends.
 	left  int64
 	until time.Time
+	// limit is the rule's limit the units were taken under: a policy that changes it leaves them
+	// unused (lost), since Redis counted them under the old one.
+	limit algorithm.Limit
+	// pending is the units of left that requests whose trips are in flight took (covered): Redis
+	// must go on counting them held until those trips end, so the scripts that replace its
+	// record of this enforcer (a take, a refill) hold them too.
+	pending int64
 	// remaining and resetAt are what Redis said of the rule at the grant, without what it
 	// leased: a request decided from the lease reports remaining + left.
 	remaining int64
@@ -38,10 +45,17 @@ type held struct {
 	gen uint64
 }
 
-// ready reports whether a request of cost may be decided from the units held now: they cover
-// it, and no trip is in flight but a refill, which leaves them to use.
-func (h *held) ready(now time.Time, cost int64) bool {
-	return (h.busy == nil || h.refilling) && h.valid(now) && h.left >= cost
+// ready reports whether a request of c may be decided from the units held now: they cover it,
+// and no trip is in flight but a refill, which leaves them to use.
+func (h *held) ready(c *Check, now time.Time) bool {
+	return (h.busy == nil || h.refilling) && h.valid(now) && h.limit == c.Limit && h.left >= c.Cost
+}
+
+// usable reports whether a trip to Redis, which may take up to timeout, may decide a request
+// with the units held: they are still valid when its answer comes, so they are spent before
+// their lease ends in Redis (or their fixed window does).
+func (h *held) usable(c *Check, now time.Time, timeout time.Duration) bool {
+	return h.valid(now) && h.limit == c.Limit && h.until.Sub(now) > timeout
 }
 
 // leases are the units this enforcer holds, by the checks' keys.
@@ -99,7 +113,7 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 				continue
 			}
 			hs[i] = s.leases.get(keys[i])
-			if hs[i].ready(now, checks[i].Cost) {
+			if hs[i].ready(&checks[i], now) {
 				continue
 			}
 			if hs[i].busy != nil {
@@ -147,7 +161,7 @@ func (s *Redis) DecideLocal(checks []Check, out []algorithm.Decision) bool {
 	defer s.leases.mu.Unlock()
 	for i := range checks {
 		h := s.leases.held[keys[i]]
-		if keys[i] == "" || h == nil || !h.ready(now, checks[i].Cost) {
+		if keys[i] == "" || h == nil || !h.ready(&checks[i], now) {
 			return false
 		}
 	}
@@ -172,7 +186,7 @@ func (s *Redis) spend(c *Check, h *held, now time.Time, out *algorithm.Decision)
 	h.gen++ // its record holds h.left, not what requests took from it before
 	ahead := *c
 	ahead.Cost, ahead.Idempotency = 0, nil
-	ahead.taking, ahead.extra, ahead.hold, ahead.spent = true, c.UnitLease.Max-h.left, h.left, h.spentAt()
+	ahead.taking, ahead.extra, ahead.hold, ahead.spent = true, c.UnitLease.Max-h.left, h.left+h.pending, h.spentAt()
 	s.refills.Add(1)
 	go s.refill(ahead, h, done, now)
 }
@@ -217,7 +231,7 @@ func (h *held) spentAt() int64 {
 
 // grant notes what Redis said of a take at at (its µs) asked for at sent (this process's clock).
 func (h *held) grant(c *Check, at int64, d algorithm.Decision, sent time.Time) {
-	h.at, h.sent, h.spent = at, sent, sent
+	h.at, h.sent, h.spent, h.limit = at, sent, sent, c.Limit
 	h.remaining = d.Remaining
 	h.resetAt = sent.Add(d.Reset)
 	h.until = sent.Add(c.UnitLease.Expiry)
@@ -237,10 +251,14 @@ func leaseKeys(checks []Check, keys []string) []string {
 		keys = append(keys, k)
 	}
 	for i := range keys {
+		named := false
 		for j := i + 1; j < len(keys); j++ {
-			if keys[i] != "" && keys[i] == keys[j] {
-				keys[i], keys[j] = "", ""
+			if keys[i] != "" && keys[j] == keys[i] {
+				keys[j], named = "", true
 			}
+		}
+		if named {
+			keys[i] = ""
 		}
 	}
 	return keys
@@ -261,25 +279,31 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 			group = append(group, i)
 			continue
 		}
-		if h.valid(now) && h.left >= sub[i].Cost {
+		usable := h.usable(&sub[i], now, s.timeout)
+		if usable && h.left >= sub[i].Cost {
 			// Covered: spent if the request is admitted, given back if not.
 			covered[i], reserved[i], gens[i] = true, sub[i].Cost, h.gen
 			h.left -= sub[i].Cost
+			h.pending += sub[i].Cost
 			continue
 		}
 		c := &sub[i]
-		if h.valid(now) {
+		switch {
+		case usable:
 			reserved[i] = h.left
 			if h.left > 0 {
 				h.spent = now // by this request, if it passes
 			}
-		} else if h.left > 0 {
-			// Expired, never used: given back (and not restored if the trip fails: Redis may
-			// have taken them back already).
+		case h.left > 0 && h.limit == c.Limit && c.Limit.Kind == algorithm.FixedWindow:
+			// Expired, never used, or ending before the answer may come: given back to their
+			// window if it is still Redis's current one (and not restored if the trip fails:
+			// Redis may have taken them back already). A token bucket's are not: it may have
+			// been full since they were taken, and a credit would pass more than one bucket; it
+			// refills them instead.
 			c.back, c.backAt = h.left, h.at
 		}
 		h.left = 0
-		h.gen++ // a take records what it takes, and no more
+		h.gen++ // a take records what it takes and the units pending, no more
 		gens[i] = h.gen
 		if done == nil {
 			done = make(chan struct{})
@@ -287,7 +311,7 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		h.busy = done
 		c.Cost -= reserved[i]
 		// A check of no cost takes nothing: it charges nothing, and leaves nothing charged.
-		c.taking, c.extra, c.spent = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost), h.spentAt()
+		c.taking, c.extra, c.hold, c.spent = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost), h.pending, h.spentAt()
 		group = append(group, i)
 	}
 	s.leases.mu.Unlock()
@@ -297,10 +321,15 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 
 	id := s.requestID(sub)
 	var ok bool
-	var err error
-	if !s.cluster {
+	// A request whose caller gave up before its script was sent changes nothing in Redis: what
+	// it took from the leases goes back whole.
+	err := ctx.Err()
+	sent := err == nil
+	switch {
+	case !sent:
+	case !s.cluster:
 		ok, _, err = s.run(ctx, modeDecide, sub, group, id, out, nil)
-	} else {
+	default:
 		groups := s.groups(sub, group)
 		if len(groups) > 1 {
 			// Several tags, several scripts: one that took while another refused would need
@@ -321,12 +350,18 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		if keys[i] == "" {
 			continue
 		}
+		if covered[i] {
+			h.pending -= reserved[i]
+		}
 		switch {
 		case !admitted:
 			// Not spent: back, if Redis counts them held here still. A trip that failed may have
 			// run, and a take that ran counted what it held as spent.
-			if h.gen == gens[i] && (covered[i] || err == nil) {
+			if h.gen == gens[i] && (covered[i] || err == nil || !sent) {
 				h.left += reserved[i]
+				if !sent {
+					h.left += sub[i].back
+				}
 			}
 		case covered[i]:
 			h.spent = now
@@ -388,7 +423,7 @@ func (l *leases) sweep(now time.Time) {
 		return
 	}
 	for k, e := range l.held {
-		if e.busy == nil && !e.valid(now) {
+		if e.busy == nil && e.pending == 0 && !e.valid(now) {
 			delete(l.held, k)
 		}
 	}

@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -66,20 +67,29 @@ func admit(t *testing.T, s store.Store, checks ...store.Check) bool {
 	return ok
 }
 
-// refusedWhile sends the request of checks, which the rule spent refuses, through s, holds its
-// script once it reserved its units, runs meanwhile, and lets it go on.
-func refusedWhile(t *testing.T, g *gates, s store.Store, meanwhile func(), checks ...store.Check) {
+// decidedWhile sends the request of checks through s, holds its script once it reserved its
+// units, runs meanwhile, lets it go on, and reports whether it passed.
+func decidedWhile(t *testing.T, g *gates, s store.Store, meanwhile func(), checks ...store.Check) bool {
 	t.Helper()
 	held := g.next()
-	refused := make(chan bool)
+	passed := make(chan bool)
 	go func() {
 		ok, err := s.Decide(context.Background(), checks, make([]algorithm.Decision, len(checks)))
-		refused <- err == nil && !ok
+		if err != nil {
+			t.Error(err)
+		}
+		passed <- ok
 	}()
 	<-held.reached
 	meanwhile()
 	close(held.open)
-	if !<-refused {
+	return <-passed
+}
+
+// refusedWhile is decidedWhile for a request that the rule spent refuses.
+func refusedWhile(t *testing.T, g *gates, s store.Store, meanwhile func(), checks ...store.Check) {
+	t.Helper()
+	if decidedWhile(t, g, s, meanwhile, checks...) {
 		t.Fatal("the request that the spent rule refuses was not refused")
 	}
 }
@@ -339,5 +349,204 @@ func TestLeasesWhenTheStoreIsClosedThenNoRefillStarts(t *testing.T) {
 	defer mu.Unlock()
 	if scripts != 1 {
 		t.Fatalf("%d scripts were sent, want only the first take: a refill started after Close", scripts)
+	}
+}
+
+// unlimited is a rule that never refuses.
+func unlimited(tag string) store.Check {
+	return store.Check{Limit: algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 1000, Rate: 1000, Period: time.Second}, Cost: 1, Enforce: true, Tag: tag, Rule: "unlimited"}
+}
+
+// A trip to Redis may take up to the store's timeout: units whose lease (token bucket) or
+// window (fixed window) ends sooner, or ended, are not spent when its answer comes. Spent then,
+// after Redis let their bound go and another enforcer took the refilled bucket or the next
+// window, 149 would pass at one instant of a bucket of 100, and 14 in a window of 10; credited
+// back to a bucket that was full since they were taken, 149 too. (A window's go back to it if it
+// is still the current one; a bucket refills them.)
+func TestLeasesWhenATripMayOutlastTheUnitsHeldThenTheyAreNotSpent(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	for _, c := range []struct {
+		name   string
+		limit  algorithm.Limit
+		start  time.Time
+		before time.Duration // the request, this long before the lease or the window ends
+		most   int64
+	}{
+		{"token bucket", algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Second}, time.Unix(1_800_000_000, 0), time.Minute - 100*time.Millisecond, 50},
+		{"token bucket, expired", algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Second}, time.Unix(1_800_000_000, 0), time.Minute + 100*time.Millisecond, 50},
+		{"fixed window", algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: time.Hour}, time.Unix(1_800_000_000, 0).Truncate(time.Hour).Add(59 * time.Minute), 59*time.Second + 900*time.Millisecond, 5},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			clock := clocktesting.NewFakeClock(c.start)
+			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+			s, other := stores[0], stores[1]
+			g := holdScripts(s)
+			tag := uniqueTag(t)
+			a := leased(c.limit, tag, "a", 1, c.most, time.Minute)
+			if !admit(t, s, a) { // takes most, holds most - 1
+				t.Fatal("the first request was refused")
+			}
+			clock.Step(c.before)
+			all := a
+			all.Cost = c.most - 1
+			passed := 0
+			if decidedWhile(t, g, s, func() {
+				clock.Step(1500 * time.Millisecond) // the lease or the window ended
+				passed = admitted(t, other, a, 150)
+			}, all, unlimited(tag)) {
+				passed += int(all.Cost)
+			}
+			if passed > int(c.limit.Limit) {
+				t.Fatalf("%d passed at once, of a limit of %d", passed, c.limit.Limit)
+			}
+		})
+	}
+}
+
+// Units that requests whose trips are in flight took stay held in Redis's record when a refill
+// or a take replaces it (and the lease table keeps them meanwhile): those requests may still pass
+// and spend them. Without, Redis would let their bound go, and at one instant 140 (a refill) or
+// 149 (a take) would pass of a bucket of 100.
+func TestLeasesWhenRequestsInFlightHoldUnitsThenARefillOrATakeKeepsThemCounted(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	for _, c := range []struct {
+		name      string
+		cost      int64
+		meanwhile func(t *testing.T, s store.Store, a store.Check) int
+	}{
+		{"a refill", 40, func(t *testing.T, s store.Store, a store.Check) int {
+			t.Helper()
+			return admitted(t, s, a, 1) // holds 8: refilled ahead
+		}},
+		{"a take", 49, func(t *testing.T, s store.Store, a store.Check) int {
+			t.Helper()
+			return admitted(t, s, a, 1) // holds none: takes
+		}},
+		{"a take once the table was swept", 49, func(t *testing.T, s store.Store, a store.Check) int {
+			t.Helper()
+			for i := range 1100 { // more clients than the lease table sweeps at
+				others := a
+				others.Tag = uniqueTag(t, i)
+				admit(t, s, others)
+			}
+			return admitted(t, s, a, 1) // holds none: takes
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
+			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+			s, other := stores[0], stores[1]
+			g := holdScripts(s)
+			tag := uniqueTag(t)
+			a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Second}, tag, "a", 1, 50, time.Minute)
+			if !admit(t, s, a) { // takes 50, holds 49
+				t.Fatal("the first request was refused")
+			}
+			some := a
+			some.Cost = c.cost
+			before, instant := 1, 0
+			if decidedWhile(t, g, s, func() {
+				before += c.meanwhile(t, s, a)
+				clock.Step(1500 * time.Millisecond) // the bucket refilled, the leases not yet expired
+				instant = admitted(t, other, a, 150) + admitted(t, s, a, 150)
+			}, some, unlimited(tag)) {
+				instant += int(c.cost)
+			}
+			if instant > 100 {
+				t.Fatalf("%d passed at one instant (and %d before), from a bucket of 100", instant, before)
+			}
+		})
+	}
+}
+
+// A leased token bucket named twice in one request is decided in Redis; when a lease of it has
+// expired, the bucket keeps that lease's bound without losing the charge of the request:
+// without, each round would pass 5 units uncharged (60 of a bucket of 20).
+func TestLeasesWhenARuleIsNamedTwiceAndALeaseExpiredThenTheChargeHolds(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
+	stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+	s, other := stores[0], stores[1]
+	a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 20, Rate: 20, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, 2, time.Second)
+	free, five := a, a
+	free.Cost, five.Cost = 0, 5
+	units := 0
+	for range 10 {
+		if admit(t, other, a) { // takes 2 for a second
+			units++
+		}
+		other.(*store.Redis).WaitRefills()
+		clock.Step(2 * time.Second) // its lease expired
+		if admit(t, s, free, five) {
+			units += 5
+		}
+	}
+	if units > 20 {
+		t.Fatalf("%d units passed from a bucket of 20 that barely refills", units)
+	}
+}
+
+// A rule named three times in one request is decided in Redis, as one named twice, and its
+// lease is untouched: one enforcer with the lease passes what the same requests pass without.
+func TestLeasesWhenARuleIsNamedThreeTimesThenRedisDecidesIt(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
+	passed := map[bool]int{}
+	for _, lease := range []bool{false, true} {
+		a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, uniqueTag(t, lease), "a", 1, 5, time.Minute)
+		if !lease {
+			a.UnitLease = nil
+		}
+		four := a
+		four.Cost = 4
+		if !admit(t, s, a) || !admit(t, s, a, a, four) {
+			t.Fatalf("lease %v: a request was refused", lease)
+		}
+		passed[lease] = admitted(t, s, a, 30)
+	}
+	if passed[true] != passed[false] {
+		t.Fatalf("%d passed after a rule named three times with a lease, %d without", passed[true], passed[false])
+	}
+}
+
+// A request whose caller gives up before its script is sent changes nothing: the units it took
+// from the lease stay held (a client that leaves would otherwise burn a lease each time).
+func TestLeasesWhenTheCallerGivesUpBeforeTheScriptIsSentThenTheUnitsStayHeld(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
+	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 100, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, 50, time.Minute)
+	if !admit(t, s, a) { // takes 50, holds 49
+		t.Fatal("the first request was refused")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.(*store.Redis).BeforeLeaseScript(cancel)
+	more := a
+	more.Cost = 50 // the 49 held and one more
+	if _, err := s.Decide(ctx, []store.Check{more}, make([]algorithm.Decision, 1)); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the decision its caller gave up on: %v, want context.Canceled", err)
+	}
+	s.(*store.Redis).BeforeLeaseScript(nil)
+	if passed := 1 + admitted(t, s, a, 200); passed != 100 {
+		t.Fatalf("%d passed in a window of 100", passed)
+	}
+}
+
+// Units taken under a rule's old limit are not spent under a new one: Redis counted them under
+// the old one, and refuses what the new one does not allow (49 passed under a limit of 10 in a
+// window that counts 50).
+func TestLeasesWhenARulesLimitChangesThenUnitsHeldUnderTheOldOneAreNotSpent(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
+	tag := uniqueTag(t)
+	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 100, Period: 720 * time.Hour}, tag, "a", 1, 50, time.Minute)
+	if !admit(t, s, a) { // takes 50, holds 49
+		t.Fatal("the first request was refused")
+	}
+	lowered := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, tag, "a", 1, 5, time.Minute)
+	if passed := admitted(t, s, lowered, 100); passed > 0 {
+		t.Fatalf("%d passed under a limit of 10 in a window that counts 50", passed)
+	}
+	if passed := admitted(t, s, a, 100); passed != 50 {
+		t.Fatalf("%d passed under the limit of 100 again, want the 50 Redis has left", passed)
 	}
 }

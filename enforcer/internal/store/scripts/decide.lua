@@ -17,8 +17,8 @@
 --           deferred (1 for a rule charged by the response: checked at cost, never charged here),
 --           leases (0 for none, else the k of the key of the bucket's leases), take (-1 for no
 --           lease; else the most units to lease beyond cost), expiry_us (the lease's), back
---           (units of an expired lease its enforcer never used, given back first), back_us (the
---           time they were leased at: a fixed window takes back only its own window's), hold
+--           (a fixed window's units of a lease its enforcer never used, given back first),
+--           back_us (the time they were leased at: a window takes back only its own), hold
 --           (units of its lease the enforcer keeps holding beside those it takes), spent_us (when
 --           it last spent units of its lease; 0 for now)
 --
@@ -415,28 +415,19 @@ local function reply(res)
   return out
 end
 
--- giveBack returns to rule i the units of an expired lease its enforcer never used: a token
--- bucket's to the bucket, a fixed window's to its window if it is still the current one.
+-- giveBack returns to fixed window i the units of a lease its enforcer never used, if their
+-- window is still the current one. (A token bucket's are never given back: the bucket may have
+-- been full since they were taken, and a credit would make more than one bucket.)
 local function giveBack(i)
   local back = tonumber(arg(i, 12))
-  if back <= 0 then return end
+  if back <= 0 or tonumber(arg(i, 0)) ~= 3 then return end
   local v = redis.call('GET', KEYS[i])
-  local kind, rate, period = tonumber(arg(i, 0)), tonumber(arg(i, 2)), tonumber(arg(i, 3))
-  if kind == 1 then
-    -- After the expired leases' bounds, which held until they expired: these units were held
-    -- then, and are back only now.
-    local t = 0
-    if v then t = struct.unpack('<d', v) end
-    local interval = period / rate
-    t = leased(i, t, interval) - back * interval
-    if leases[i] then leases[i].t = t end
-    if t > now then redis.call('SET', KEYS[i], struct.pack('<d', t), 'PX', ttl(t - now)) else redis.call('DEL', KEYS[i]) end
-  elseif v and kind == 3 then
-    local idx, w = floor(now / period), floor(tonumber(v) / FW_SHIFT)
-    if floor(tonumber(arg(i, 13)) / period) == idx and w == idx % FW_WINDOWS then
-      local c = tonumber(v) - w * FW_SHIFT
-      redis.call('SET', KEYS[i], fmt(w * FW_SHIFT + max(0, c - back)), 'KEEPTTL')
-    end
+  if not v then return end
+  local period = tonumber(arg(i, 3))
+  local idx, w = floor(now / period), floor(tonumber(v) / FW_SHIFT)
+  if floor(tonumber(arg(i, 13)) / period) == idx and w == idx % FW_WINDOWS then
+    local c = tonumber(v) - w * FW_SHIFT
+    redis.call('SET', KEYS[i], fmt(w * FW_SHIFT + max(0, c - back)), 'KEEPTTL')
   end
 end
 
@@ -574,7 +565,14 @@ local function settleLeases()
     local charged = commit and r[1] and r[6] and not free[i]
     if #l.gone > 0 then
       redis.call('HDEL', l.key, unpack(l.gone))
-      if not charged and l.t > now then redis.call('SET', KEYS[i], struct.pack('<d', l.t), 'PX', ttl(l.t - now)) end
+      if not charged then
+        -- The expired leases' bounds stay in the bucket's time, which only moves on: the same
+        -- rule named again in this request may have been charged past them already.
+        local v = redis.call('GET', KEYS[i])
+        local t = 0
+        if v then t = struct.unpack('<d', v) end
+        if l.t > max(t, now) then redis.call('SET', KEYS[i], struct.pack('<d', l.t), 'PX', ttl(l.t - now)) end
+      end
     end
     if commit and r[1] and not free[i] and tonumber(arg(i, 10)) >= 0 then
       local units = (granted[i] or 0) + tonumber(arg(i, 14))
