@@ -58,6 +58,11 @@ func (h *held) usable(c *Check, now time.Time, timeout time.Duration) bool {
 	return h.valid(now) && h.limit == c.Limit && h.until.Sub(now) > timeout
 }
 
+// covers reports whether a trip to Redis decides c from the units held, taking nothing.
+func (h *held) covers(c *Check, now time.Time, timeout time.Duration) bool {
+	return h.usable(c, now, timeout) && h.left >= c.Cost
+}
+
 // leases are the units this enforcer holds, by the checks' keys.
 type leases struct {
 	mu      sync.Mutex
@@ -105,7 +110,6 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 		now := s.now()
 		s.leases.mu.Lock()
 		s.leases.sweep(now)
-		var wait chan struct{}
 		local := true
 		for i := range checks {
 			if keys[i] == "" {
@@ -113,23 +117,7 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 				continue
 			}
 			hs[i] = s.leases.get(keys[i])
-			if hs[i].ready(&checks[i], now) {
-				continue
-			}
-			if hs[i].busy != nil {
-				wait = hs[i].busy
-				break
-			}
-			local = false
-		}
-		if wait != nil {
-			s.leases.mu.Unlock()
-			select {
-			case <-wait:
-				continue
-			case <-ctx.Done():
-				return false, ctx.Err()
-			}
+			local = local && hs[i].ready(&checks[i], now)
 		}
 		if local {
 			for i := range checks {
@@ -138,7 +126,24 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 			s.leases.mu.Unlock()
 			return true, nil
 		}
-		return s.trip(ctx, checks, keys, hs, now, out)
+		// A trip takes for each leased check it does not cover, and may not while a trip for
+		// the rule and client (a take, or a refill) is out: it waits for that one's answer.
+		var wait chan struct{}
+		for i := range checks {
+			if keys[i] != "" && hs[i].busy != nil && !hs[i].covers(&checks[i], now, s.timeout) {
+				wait = hs[i].busy
+				break
+			}
+		}
+		if wait == nil {
+			return s.trip(ctx, checks, keys, hs, now, out)
+		}
+		s.leases.mu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
 	}
 }
 
@@ -241,24 +246,23 @@ func (h *held) grant(c *Check, at int64, d algorithm.Decision, sent time.Time) {
 }
 
 // leaseKeys appends to keys the key of each check whose lease the store decides from, "" for the
-// others: a rule named twice in one decision is decided in Redis, as without a lease.
+// others: a rule named twice in one decision, leased or not, is decided in Redis, as without a
+// lease.
 func leaseKeys(checks []Check, keys []string) []string {
+	first := len(keys)
 	for i := range checks {
-		k := ""
-		if leasable(&checks[i]) {
-			k = checks[i].Key()
-		}
-		keys = append(keys, k)
+		keys = append(keys, checks[i].Key())
 	}
-	for i := range keys {
+	ks := keys[first:]
+	for i := range ks {
 		named := false
-		for j := i + 1; j < len(keys); j++ {
-			if keys[i] != "" && keys[j] == keys[i] {
-				keys[j], named = "", true
+		for j := i + 1; j < len(ks); j++ {
+			if ks[i] != "" && ks[j] == ks[i] {
+				ks[j], named = "", true
 			}
 		}
-		if named {
-			keys[i] = ""
+		if named || !leasable(&checks[i]) {
+			ks[i] = ""
 		}
 	}
 	return keys
@@ -279,8 +283,7 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 			group = append(group, i)
 			continue
 		}
-		usable := h.usable(&sub[i], now, s.timeout)
-		if usable && h.left >= sub[i].Cost {
+		if h.covers(&sub[i], now, s.timeout) {
 			// Covered: spent if the request is admitted, given back if not.
 			covered[i], reserved[i], gens[i] = true, sub[i].Cost, h.gen
 			h.left -= sub[i].Cost
@@ -289,11 +292,8 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		}
 		c := &sub[i]
 		switch {
-		case usable:
+		case h.usable(c, now, s.timeout):
 			reserved[i] = h.left
-			if h.left > 0 {
-				h.spent = now // by this request, if it passes
-			}
 		case h.left > 0 && h.limit == c.Limit && c.Limit.Kind == algorithm.FixedWindow:
 			// Expired, never used, or ending before the answer may come: given back to their
 			// window if it is still Redis's current one (and not restored if the trip fails:
@@ -312,6 +312,9 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		c.Cost -= reserved[i]
 		// A check of no cost takes nothing: it charges nothing, and leaves nothing charged.
 		c.taking, c.extra, c.hold, c.spent = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost), h.pending, h.spentAt()
+		if reserved[i] > 0 {
+			c.spent = 0 // by this request, if it passes: when the script runs
+		}
 		group = append(group, i)
 	}
 	s.leases.mu.Unlock()
@@ -364,7 +367,9 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 				}
 			}
 		case covered[i]:
-			h.spent = now
+			if answered := s.now(); answered.After(h.spent) {
+				h.spent = answered // they passed when the answer came
+			}
 		case sub[i].taking:
 			// What it held was spent by this request; it holds what Redis just leased.
 			h.left = sub[i].granted

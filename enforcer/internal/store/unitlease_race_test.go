@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -486,26 +487,42 @@ func TestLeasesWhenARuleIsNamedTwiceAndALeaseExpiredThenTheChargeHolds(t *testin
 	}
 }
 
-// A rule named three times in one request is decided in Redis, as one named twice, and its
-// lease is untouched: one enforcer with the lease passes what the same requests pass without.
+// A rule named three times in one request is decided in Redis, as one named twice: its lease
+// is untouched.
 func TestLeasesWhenARuleIsNamedThreeTimesThenRedisDecidesIt(t *testing.T) {
 	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
-	passed := map[bool]int{}
-	for _, lease := range []bool{false, true} {
-		a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, uniqueTag(t, lease), "a", 1, 5, time.Minute)
-		if !lease {
-			a.UnitLease = nil
-		}
-		four := a
-		four.Cost = 4
-		if !admit(t, s, a) || !admit(t, s, a, a, four) {
-			t.Fatalf("lease %v: a request was refused", lease)
-		}
-		passed[lease] = admitted(t, s, a, 30)
+	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, 5, time.Minute)
+	if !admit(t, s, a) || !admit(t, s, a, a, a) { // takes 5, holds 4; then Redis
+		t.Fatal("a request was refused")
 	}
-	if passed[true] != passed[false] {
-		t.Fatalf("%d passed after a rule named three times with a lease, %d without", passed[true], passed[false])
+	local := 0
+	for s.(*store.Redis).DecideLocal([]store.Check{a}, make([]algorithm.Decision, 1)) && local < 10 {
+		local++
+	}
+	if local != 4 {
+		t.Fatalf("%d decided from the lease after the rule named three times, want the 4 it held", local)
+	}
+}
+
+// A leased rule named again unleased (a shadow of it) in one request is decided in Redis: a lease
+// taken beside the shadow's own charge would go uncharged (13 passed in a window of 10).
+func TestLeasesWhenALeasedRuleIsNamedAgainAsAShadowThenNoMoreThanTheLimitPasses(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
+	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, 5, time.Minute)
+	shadow := a
+	shadow.Enforce = false
+	passed := 0
+	for range 20 {
+		if admit(t, s, a, shadow) {
+			passed++
+		}
+		s.(*store.Redis).WaitRefills()
+		passed += admitted(t, s, a, 4)
+	}
+	if passed > 10 {
+		t.Fatalf("%d passed in a window of 10", passed)
 	}
 }
 
@@ -548,5 +565,92 @@ func TestLeasesWhenARulesLimitChangesThenUnitsHeldUnderTheOldOneAreNotSpent(t *t
 	}
 	if passed := admitted(t, s, a, 100); passed != 50 {
 		t.Fatalf("%d passed under the limit of 100 again, want the 50 Redis has left", passed)
+	}
+}
+
+// A trip for a rule and client waits while another is out (a refill): two scripts that replace
+// what Redis records this enforcer holds, run in either order, would leave it recording the one
+// that ran last while the enforcer holds what both took (137 at one instant of a bucket of 100).
+// The request here needs Redis for another rule, and the units held end within the store's
+// timeout, so the trip would take.
+func TestLeasesWhenARefillIsOutThenATripThatTakesWaitsForIt(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
+	stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+	s, other := stores[0], stores[1]
+	g := holdScripts(s)
+	tag := uniqueTag(t)
+	a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Second}, tag, "a", 1, 50, time.Minute)
+	if admitted(t, s, a, 37) != 37 { // takes 50, holds 13
+		t.Fatal("a request within the lease was refused")
+	}
+	clock.Step(56 * time.Second) // 4 s of the lease left, within the 5 s timeout
+	refill := g.next()
+	if !admit(t, s, a) { // holds 12: refilled ahead
+		t.Fatal("a request within the lease was refused")
+	}
+	<-refill.reached
+	take := g.next()
+	took := make(chan bool)
+	go func() {
+		ok, err := s.Decide(context.Background(), []store.Check{a, unlimited(tag)}, make([]algorithm.Decision, 2))
+		if err != nil {
+			t.Error(err)
+		}
+		took <- ok
+	}()
+	select {
+	case <-take.reached: // it did not wait: the take runs first, the refill last
+		close(take.open)
+		<-took
+		close(refill.open)
+	case <-time.After(time.Second): // a second for a take that does not wait to reach Redis
+		close(refill.open)
+		<-take.reached
+		close(take.open)
+		<-took
+	}
+	s.(*store.Redis).WaitRefills()
+	clock.Step(time.Second) // the bucket refilled to its capacity less the units out
+	instant := admitted(t, other, a, 150)
+	out := make([]algorithm.Decision, 1)
+	for range 150 { // what this enforcer holds, spent at the same instant
+		if !s.(*store.Redis).DecideLocal([]store.Check{a}, out) {
+			break
+		}
+		instant++
+	}
+	if instant > 100 {
+		t.Fatalf("%d passed at one instant, from a bucket of 100", instant)
+	}
+}
+
+// Units a trip spends pass when its answer comes, and Redis counts them held until then: a take
+// that replaces the record later ends their bound at that time, not at the trip's start (the
+// bucket would refill over the trip as if they had passed then: 104 at one instant of 100, the
+// trip 4 s long at one unit a second). Whether the request is covered or takes.
+func TestLeasesWhenATripSpendsUnitsHeldThenTheyPassWhenItsAnswerComes(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	for _, cost := range []int64{49, 50} { // covered by the 49 held; those and a take
+		t.Run(fmt.Sprint("cost ", cost), func(t *testing.T) {
+			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
+			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+			s, other := stores[0], stores[1]
+			g := holdScripts(s)
+			tag := uniqueTag(t)
+			a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 1, Period: time.Second}, tag, "a", 1, 50, 10*time.Minute)
+			if !admit(t, s, a) { // takes 50, holds 49
+				t.Fatal("the first request was refused")
+			}
+			clock.Step(100 * time.Second) // the bucket refilled to 100 - 49
+			some := a
+			some.Cost = cost
+			if !decidedWhile(t, g, s, func() { clock.Step(4 * time.Second) }, some, unlimited(tag)) {
+				t.Fatal("the request was refused")
+			}
+			if instant := int(cost) + admitted(t, s, a, 150) + admitted(t, other, a, 150); instant > 100 {
+				t.Fatalf("%d passed at one instant, from a bucket of 100", instant)
+			}
+		})
 	}
 }
