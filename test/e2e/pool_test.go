@@ -53,7 +53,9 @@ func TestPoolWhenThreeReplicasShareOneRedisThenExactly100Of1000PassAndChangesRea
 			t.Fatal(err)
 		}
 	}
-	store := &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redis.Addr())}}}
+	// A generous timeout: with the race detector on two loaded cores, a call may pass the default
+	// 50 ms, and a decision that fails open passes (101 of 1,000 once).
+	store := &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redis.Addr())}, Timeout: ptr.To[v1alpha1.Duration]("5s")}}
 	pool := &v1alpha1.EnforcerPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "shared"},
 		Spec: v1alpha1.EnforcerPoolSpec{Replicas: ptr.To[int32](3), Storage: store}}
 	byClient := []v1alpha1.KeySource{{Type: v1alpha1.KeyHeader, Name: ptr.To[v1alpha1.HeaderName]("X-Client")}}
