@@ -21,6 +21,15 @@ import (
 // holds a decision between the units it reserved and its script, and moves the others (or the
 // clock) on meanwhile.
 
+// twoEnforcers are two Redis stores on the standalone Redis and one fake clock from start; g
+// holds the first's lease scripts.
+func twoEnforcers(t *testing.T, start time.Time) (clock *clocktesting.FakeClock, s, other store.Store, g *gates) {
+	t.Helper()
+	clock = clocktesting.NewFakeClock(start)
+	stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
+	return clock, stores[0], stores[1], holdScripts(stores[0])
+}
+
 // gates hold the leases' scripts (a trip's or a refill's) of one store, in the order they are sent.
 type gates struct {
 	mu      sync.Mutex
@@ -169,10 +178,7 @@ func TestLeasesWhenARefusedRequestsUnitsWereReplacedThenOneBucketIsAllThatPasses
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
-			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-			s, other := stores[0], stores[1]
-			g := holdScripts(s)
+			clock, s, other, g := twoEnforcers(t, time.Unix(1_800_000_000, 0))
 			tag := uniqueTag(t)
 			a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Minute}, tag, "a", 1, c.most, time.Minute)
 			refusing := spent(t, s, tag)
@@ -353,6 +359,19 @@ func TestLeasesWhenTheStoreIsClosedThenNoRefillStarts(t *testing.T) {
 	}
 }
 
+// holding is one enforcer on the standalone Redis, and a fixed window of limit a month long
+// leased most units at a time, whose first request the enforcer took a lease with: it holds
+// most - 1.
+func holding(t *testing.T, limit, most int64) (store.Store, store.Check) {
+	t.Helper()
+	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
+	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: limit, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, most, time.Minute)
+	if !admit(t, s, a) {
+		t.Fatal("the first request was refused")
+	}
+	return s, a
+}
+
 // unlimited is a rule that never refuses.
 func unlimited(tag string) store.Check {
 	return store.Check{Limit: algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 1000, Rate: 1000, Period: time.Second}, Cost: 1, Enforce: true, Tag: tag, Rule: "unlimited"}
@@ -378,10 +397,7 @@ func TestLeasesWhenATripMayOutlastTheUnitsHeldThenTheyAreNotSpent(t *testing.T) 
 		{"fixed window", algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: time.Hour}, time.Unix(1_800_000_000, 0).Truncate(time.Hour).Add(59 * time.Minute), 59*time.Second + 900*time.Millisecond, 5},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			clock := clocktesting.NewFakeClock(c.start)
-			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-			s, other := stores[0], stores[1]
-			g := holdScripts(s)
+			clock, s, other, g := twoEnforcers(t, c.start)
 			tag := uniqueTag(t)
 			a := leased(c.limit, tag, "a", 1, c.most, time.Minute)
 			if !admit(t, s, a) { // takes most, holds most - 1
@@ -434,10 +450,7 @@ func TestLeasesWhenRequestsInFlightHoldUnitsThenARefillOrATakeKeepsThemCounted(t
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
-			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-			s, other := stores[0], stores[1]
-			g := holdScripts(s)
+			clock, s, other, g := twoEnforcers(t, time.Unix(1_800_000_000, 0))
 			tag := uniqueTag(t)
 			a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Second}, tag, "a", 1, 50, time.Minute)
 			if !admit(t, s, a) { // takes 50, holds 49
@@ -491,10 +504,9 @@ func TestLeasesWhenARuleIsNamedTwiceAndALeaseExpiredThenTheChargeHolds(t *testin
 // is untouched.
 func TestLeasesWhenARuleIsNamedThreeTimesThenRedisDecidesIt(t *testing.T) {
 	tier.Needs(t, "redis-server")
-	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
-	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, 5, time.Minute)
-	if !admit(t, s, a) || !admit(t, s, a, a, a) { // takes 5, holds 4; then Redis
-		t.Fatal("a request was refused")
+	s, a := holding(t, 10, 5)
+	if !admit(t, s, a, a, a) {
+		t.Fatal("the request naming the rule three times was refused")
 	}
 	local := 0
 	for s.(*store.Redis).DecideLocal([]store.Check{a}, make([]algorithm.Decision, 1)) && local < 10 {
@@ -530,11 +542,7 @@ func TestLeasesWhenALeasedRuleIsNamedAgainAsAShadowThenNoMoreThanTheLimitPasses(
 // from the lease stay held (a client that leaves would otherwise burn a lease each time).
 func TestLeasesWhenTheCallerGivesUpBeforeTheScriptIsSentThenTheUnitsStayHeld(t *testing.T) {
 	tier.Needs(t, "redis-server")
-	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
-	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 100, Period: 720 * time.Hour}, uniqueTag(t), "a", 1, 50, time.Minute)
-	if !admit(t, s, a) { // takes 50, holds 49
-		t.Fatal("the first request was refused")
-	}
+	s, a := holding(t, 100, 50)
 	ctx, cancel := context.WithCancel(context.Background())
 	s.(*store.Redis).BeforeLeaseScript(cancel)
 	more := a
@@ -553,13 +561,8 @@ func TestLeasesWhenTheCallerGivesUpBeforeTheScriptIsSentThenTheUnitsStayHeld(t *
 // window that counts 50).
 func TestLeasesWhenARulesLimitChangesThenUnitsHeldUnderTheOldOneAreNotSpent(t *testing.T) {
 	tier.Needs(t, "redis-server")
-	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil)
-	tag := uniqueTag(t)
-	a := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 100, Period: 720 * time.Hour}, tag, "a", 1, 50, time.Minute)
-	if !admit(t, s, a) { // takes 50, holds 49
-		t.Fatal("the first request was refused")
-	}
-	lowered := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, tag, "a", 1, 5, time.Minute)
+	s, a := holding(t, 100, 50)
+	lowered := leased(algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: 720 * time.Hour}, a.Tag, "a", 1, 5, time.Minute)
 	if passed := admitted(t, s, lowered, 100); passed > 0 {
 		t.Fatalf("%d passed under a limit of 10 in a window that counts 50", passed)
 	}
@@ -575,10 +578,7 @@ func TestLeasesWhenARulesLimitChangesThenUnitsHeldUnderTheOldOneAreNotSpent(t *t
 // timeout, so the trip would take.
 func TestLeasesWhenARefillIsOutThenATripThatTakesWaitsForIt(t *testing.T) {
 	tier.Needs(t, "redis-server")
-	clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
-	stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-	s, other := stores[0], stores[1]
-	g := holdScripts(s)
+	clock, s, other, g := twoEnforcers(t, time.Unix(1_800_000_000, 0))
 	tag := uniqueTag(t)
 	a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 100, Period: time.Second}, tag, "a", 1, 50, time.Minute)
 	if admitted(t, s, a, 37) != 37 { // takes 50, holds 13
@@ -633,10 +633,7 @@ func TestLeasesWhenATripSpendsUnitsHeldThenTheyPassWhenItsAnswerComes(t *testing
 	tier.Needs(t, "redis-server")
 	for _, cost := range []int64{49, 50} { // covered by the 49 held; those and a take
 		t.Run(fmt.Sprint("cost ", cost), func(t *testing.T) {
-			clock := clocktesting.NewFakeClock(time.Unix(1_800_000_000, 0))
-			stores := enforcers(t, 2, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock.Now)
-			s, other := stores[0], stores[1]
-			g := holdScripts(s)
+			clock, s, other, g := twoEnforcers(t, time.Unix(1_800_000_000, 0))
 			tag := uniqueTag(t)
 			a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 1, Period: time.Second}, tag, "a", 1, 50, 10*time.Minute)
 			if !admit(t, s, a) { // takes 50, holds 49
