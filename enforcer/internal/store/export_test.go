@@ -19,3 +19,7 @@ func (s *Redis) WaitRefills() { s.refills.Wait() }
 // BeforeLeaseScript makes f run before each script of the leases (a trip or a refill) is sent,
 // once its units are reserved.
 func (s *Redis) BeforeLeaseScript(f func()) { s.leaseScript = f }
+
+// BeforeLeaseAnswer makes f run once the answer to each script of the leases came, before it is
+// noted.
+func (s *Redis) BeforeLeaseAnswer(f func()) { s.leaseAnswer = f }

@@ -76,10 +76,11 @@ type Redis struct {
 	seq     atomic.Uint64
 	// clock, when set by tests, replaces Redis TIME. Production leaves it nil.
 	clock func() time.Time
-	// leaseScript, when set by tests, runs before each script of the leases (a trip, a refill),
-	// once it reserved its units: it holds a decision between its bookkeeping and Redis.
-	// Production leaves it nil.
-	leaseScript func()
+	// leaseScript and leaseAnswer, when set by tests, run before each script of the leases (a
+	// trip, a refill) is sent, once it reserved its units, and once its answer came, before it
+	// is noted: they hold a decision between its bookkeeping and Redis. Production leaves them
+	// nil.
+	leaseScript, leaseAnswer func()
 	// batch pipelines decisions; nil on a Cluster, where every tag may live on another node.
 	batch *batcher
 	// leases are the units this enforcer holds of leased rules; refills, the trips in flight

@@ -210,6 +210,9 @@ func (s *Redis) refill(c Check, h *held, done chan struct{}, sent time.Time) {
 	checks, out := []Check{c}, make([]algorithm.Decision, 1)
 	ok, _, err := s.run(ctx, modeDecide, checks, []int{0}, s.requestID(checks), out, nil)
 	s.followFailover(ctx, err)
+	if s.leaseAnswer != nil {
+		s.leaseAnswer()
+	}
 
 	s.leases.mu.Lock()
 	defer s.leases.mu.Unlock()
@@ -236,7 +239,10 @@ func (h *held) spentAt() int64 {
 
 // grant notes what Redis said of a take at at (its µs) asked for at sent (this process's clock).
 func (h *held) grant(c *Check, at int64, d algorithm.Decision, sent time.Time) {
-	h.at, h.sent, h.spent, h.limit = at, sent, sent, c.Limit
+	h.at, h.sent, h.limit = at, sent, c.Limit
+	if h.spent.Before(sent) { // else units a request decided meanwhile passed later, when its answer came
+		h.spent = sent
+	}
 	h.remaining = d.Remaining
 	h.resetAt = sent.Add(d.Reset)
 	h.until = sent.Add(c.UnitLease.Expiry)
@@ -343,6 +349,9 @@ func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*h
 		}
 		ok, err = s.decideGroups(ctx, sub, groups, id, out)
 		s.followFailover(ctx, err)
+	}
+	if s.leaseAnswer != nil {
+		s.leaseAnswer()
 	}
 
 	s.leases.mu.Lock()

@@ -46,6 +46,13 @@ func holdScripts(s store.Store) *gates {
 	return g
 }
 
+// holdAnswers is holdScripts for the answers, each held before it is noted.
+func holdAnswers(s store.Store) *gates {
+	g := &gates{}
+	s.(*store.Redis).BeforeLeaseAnswer(g.wait)
+	return g
+}
+
 // next holds the next script sent that no gate holds yet.
 func (g *gates) next() *gate {
 	g.mu.Lock()
@@ -649,5 +656,55 @@ func TestLeasesWhenATripSpendsUnitsHeldThenTheyPassWhenItsAnswerComes(t *testing
 				t.Fatalf("%d passed at one instant, from a bucket of 100", instant)
 			}
 		})
+	}
+}
+
+// A take whose answer is noted after that of a covered request keeps the later time the covered
+// request's units passed: noted as spent at the take's start, they would end their bound early,
+// and the bucket would refill over the gap (102 at one instant of 100, the gap 4 s at 1/s).
+func TestLeasesWhenATakesAnswerComesAfterACoveredRequestsThenItKeepsWhenThoseUnitsPassed(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	clock, s, other, scripts := twoEnforcers(t, time.Unix(1_800_000_000, 0))
+	answers := holdAnswers(s)
+	tag := uniqueTag(t)
+	a := leased(algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 100, Rate: 1, Period: time.Second}, tag, "a", 1, 50, 10*time.Minute)
+	if !admit(t, s, a) { // takes 50, holds 49
+		t.Fatal("the first request was refused")
+	}
+	clock.Step(100 * time.Second) // the bucket refilled, but for the 49 leased
+	if !admit(t, other, a) {      // takes 50: one unit of the bucket is left
+		t.Fatal("the other enforcer's first request was refused")
+	}
+	all := a
+	all.Cost = 49
+	covered, coveredAnswer := scripts.next(), answers.next()
+	take, takeAnswer := scripts.next(), answers.next()
+	decided := make(chan bool, 2)
+	decide := func(checks ...store.Check) {
+		ok, err := s.Decide(context.Background(), checks, make([]algorithm.Decision, len(checks)))
+		if err != nil {
+			t.Error(err)
+		}
+		decided <- ok
+	}
+	go decide(all, unlimited(tag)) // covered by the 49
+	<-covered.reached
+	go decide(a) // nothing left to use: takes, holding the 49 pending
+	<-take.reached
+	close(covered.open)
+	<-coveredAnswer.reached
+	close(take.open)
+	<-takeAnswer.reached // both scripts ran now
+	clock.Step(4 * time.Second)
+	close(coveredAnswer.open) // the 49 pass now
+	if !<-decided {
+		t.Fatal("a request was refused")
+	}
+	close(takeAnswer.open)
+	if !<-decided {
+		t.Fatal("a request was refused")
+	}
+	if instant := 49 + admitted(t, s, a, 150) + admitted(t, other, a, 150); instant > 100 {
+		t.Fatalf("%d passed at one instant, from a bucket of 100", instant)
 	}
 }
