@@ -659,7 +659,8 @@ func TestPoolWhenAPolicyMovesInAndOutUnderTrafficThenSomeHomeDecidesThroughout(t
 				oldest = served[u][1]
 			}
 		}
-		if len(step[0]) == 0 || len(step[1]) == 0 || !newest.Before(oldest) {
+		// In one round (one time) both homes decided: they overlapped there, make-before-break.
+		if len(step[0]) == 0 || len(step[1]) == 0 || newest.After(oldest) {
 			t.Errorf("move %d: every pod of the new home %v decided by %v, the old home %v stopped at %v: not make-before-break",
 				i+1, step[1], newest.Format("15:04:05.000"), step[0], oldest.Format("15:04:05.000"))
 		}
