@@ -82,7 +82,8 @@ func (l *Limiter) contain(what string) {
 
 // renew extends the request's leases, and schedules the next renewal unless the request ended
 // meanwhile. A renewal that fails is counted as a store error; the lease then lasts to its
-// timeout, and the next renewal tries again.
+// timeout, and the next renewal tries again. The renewal is counted once the next is scheduled,
+// so that whoever sees the count (a test stepping a fake clock) finds the next timer armed.
 func (p *Pending) renew() {
 	var leases []store.Check
 	for i := range p.checks {
@@ -94,6 +95,11 @@ func (p *Pending) renew() {
 	if !p.l.BreakerOpen() {
 		err = p.l.store.Renew(context.Background(), leases, make([]algorithm.Decision, len(leases)))
 	}
+	p.mu.Lock()
+	if !p.ended {
+		p.timer = p.l.clock.AfterFunc(p.every, p.renewLater)
+	}
+	p.mu.Unlock()
 	switch {
 	case err == nil:
 		p.l.metrics.leaseRenewals.WithLabelValues(renewalRenewed).Inc()
@@ -102,11 +108,6 @@ func (p *Pending) renew() {
 	default:
 		p.l.metrics.leaseRenewals.WithLabelValues(renewalFailed).Inc()
 		p.l.metrics.storeErrors.WithLabelValues(cause(err)).Inc()
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if !p.ended {
-		p.timer = p.l.clock.AfterFunc(p.every, p.renewLater)
 	}
 }
 
