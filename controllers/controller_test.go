@@ -176,6 +176,9 @@ func newPolicy(ns, name, target string) *v1alpha1.RateLimitPolicy {
 			Storage: &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{
 				Mode: v1alpha1.RedisStandalone, Addresses: []v1alpha1.HostPort{v1alpha1.HostPort(redisAddr)},
 				CredentialsSecretRef: &v1alpha1.CredentialsSecretRef{Name: "redis-creds", PasswordKey: "password"},
+				// Not the 50ms default: under the race detector on two busy cores a replica's
+				// decision may take longer, and its report would Degrade a policy a test reads.
+				Timeout: ptr.To[v1alpha1.Duration]("2s"),
 			}},
 			Enforcer: &v1alpha1.EnforcerSpec{Replicas: ptr.To[int32](3)},
 		},
