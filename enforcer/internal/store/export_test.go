@@ -23,3 +23,11 @@ func (s *Redis) BeforeLeaseScript(f func()) { s.leaseScript = f }
 // BeforeLeaseAnswer makes f run once the answer to each script of the leases came, before it is
 // noted.
 func (s *Redis) BeforeLeaseAnswer(f func()) { s.leaseAnswer = f }
+
+// NewCollidingMemory returns a memory store in which every key's hash is the same, so that all
+// but one key of each shard take the collided path.
+func NewCollidingMemory(opts MemoryOptions) *Memory {
+	s := NewMemory(opts)
+	s.collide = true
+	return s
+}

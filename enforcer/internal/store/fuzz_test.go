@@ -137,7 +137,12 @@ func FuzzStoresWhenDrivenByTheSameRequestsThenGoAndLuaDecideIdentically(f *testi
 		tier.Needs(t, "redis-server")
 		in := &fuzzInput{b: data}
 		clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0).Add(time.Duration(in.intn(1<<31)) * time.Microsecond))
-		mem := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
+		// A third of the inputs run on a memory store whose keys all share one hash.
+		newMemory := store.NewMemory
+		if len(data)%3 == 2 {
+			newMemory = store.NewCollidingMemory
+		}
+		mem := newMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
 		defer func() { _ = mem.Close() }()
 		opts := store.RedisOptions{Addrs: []string{standalone.Addr()}, Timeout: 10 * time.Second}
 		onCluster := fuzzCluster || len(data)%4 == 1

@@ -3,6 +3,8 @@ package store
 import (
 	"context"
 	"hash/maphash"
+	"iter"
+	"maps"
 	"math"
 	"sync"
 	"time"
@@ -49,11 +51,18 @@ type Memory struct {
 	shardBytes int64
 	stop       chan struct{}
 	done       chan struct{}
+	// collide makes every key's hash 0, so that tests run the collided path.
+	collide bool
 }
 
 type shard struct {
 	mu sync.Mutex
-	m  map[memoryKey]*memoryEntry
+	// m holds each key's entry by the hash of its names (Memory.locate): a lookup hashes and
+	// compares one fixed-size key, and the entry's own names confirm it. A key whose hash
+	// another key's entry holds already lives in collided, by its names: with a random 64-bit
+	// seed that is rare, and it costs the key a second lookup, never a shared state.
+	m        map[uint64]*memoryEntry
+	collided map[memoryKey]*memoryEntry
 	// records are the idempotency records of the shard's clients, bounded like m.
 	records map[memoryKey]*idemRecord
 	// bytes is what m and records hold, as entryBytes, recordBytes and the names count it.
@@ -71,7 +80,9 @@ type idemRecord struct {
 type memoryKey struct{ tag, rule string }
 
 type memoryEntry struct {
-	st algorithm.State
+	key  memoryKey
+	hash uint64
+	st   algorithm.State
 	// idleAt is when the state is back to idle, in microseconds: from then on, dropping the
 	// entry changes no decision.
 	idleAt float64
@@ -80,9 +91,9 @@ type memoryEntry struct {
 	buf []algorithm.LogEntry
 }
 
-// size is the bytes the entry holds under key k.
-func (e *memoryEntry) size(k memoryKey) int64 {
-	return entryBytes + int64(len(k.tag)+len(k.rule)) + int64(cap(e.buf))*algorithm.LogEntrySize + int64(cap(e.st.Leases))*algorithm.LeaseSize
+// size is the bytes the entry holds.
+func (e *memoryEntry) size() int64 {
+	return entryBytes + int64(len(e.key.tag)+len(e.key.rule)) + int64(cap(e.buf))*algorithm.LogEntrySize + int64(cap(e.st.Leases))*algorithm.LeaseSize
 }
 
 // keep stores a charged state. A sliding log's array is the entry's own once stored: it is
@@ -132,7 +143,7 @@ func NewMemory(opts MemoryOptions) *Memory {
 		done:       make(chan struct{}),
 	}
 	for i := range s.shards {
-		s.shards[i].m = make(map[memoryKey]*memoryEntry)
+		s.shards[i].m = make(map[uint64]*memoryEntry)
 		s.shards[i].records = make(map[memoryKey]*idemRecord)
 	}
 	if opts.SweepInterval > 0 {
@@ -143,10 +154,64 @@ func NewMemory(opts MemoryOptions) *Memory {
 	return s
 }
 
-// shardOf shards by client: all rules of one client share a shard, so the common decision takes
-// one lock.
-func (s *Memory) shardOf(c *Check) int {
-	return int(maphash.String(s.seed, c.Tag) % memoryShards)
+// locate returns the shard of a check's key and its hash in the shard's map. It shards by
+// client: all rules of one client share a shard, so the common decision takes one lock.
+func (s *Memory) locate(c *Check) (shard int, hash uint64) {
+	client := maphash.String(s.seed, c.Tag)
+	if s.collide {
+		return int(client % memoryShards), 0
+	}
+	return int(client % memoryShards), client ^ maphash.String(s.seed, c.Rule)*0x9e3779b97f4a7c15
+}
+
+// get returns the entry of key k, whose hash is h, or nil.
+func (sh *shard) get(h uint64, k memoryKey) *memoryEntry {
+	if e := sh.m[h]; e != nil && e.key == k {
+		return e
+	}
+	if len(sh.collided) > 0 {
+		return sh.collided[k]
+	}
+	return nil
+}
+
+// add holds a new entry, which no key of the shard names.
+func (sh *shard) add(e *memoryEntry) {
+	if _, taken := sh.m[e.hash]; !taken {
+		sh.m[e.hash] = e
+		return
+	}
+	if sh.collided == nil {
+		sh.collided = make(map[memoryKey]*memoryEntry)
+	}
+	sh.collided[e.key] = e
+}
+
+// drop removes an entry the shard holds, and its bytes from the shard's count.
+func (sh *shard) drop(e *memoryEntry) {
+	sh.bytes -= e.size()
+	if sh.m[e.hash] == e {
+		delete(sh.m, e.hash)
+	} else {
+		delete(sh.collided, e.key)
+	}
+}
+
+// keys is how many entries the shard holds.
+func (sh *shard) keys() int { return len(sh.m) + len(sh.collided) }
+
+// entries yields the shard's entries by their names; the caller may drop the one yielded.
+func (sh *shard) entries(yield func(memoryKey, *memoryEntry) bool) {
+	for _, e := range sh.m {
+		if !yield(e.key, e) {
+			return
+		}
+	}
+	for k, e := range sh.collided {
+		if !yield(k, e) {
+			return
+		}
+	}
 }
 
 // commonChecks is how many rules a decision may have before its bookkeeping allocates. Any
@@ -182,8 +247,10 @@ type memoryDecision struct {
 	out    []algorithm.Decision
 	at     time.Time
 	now    float64 // at, in microseconds
-	// idx[i] is check i's shard, locked the shards to lock, in order, without repeats.
+	// idx[i] is check i's shard and hash[i] its key's hash there; locked are the shards to
+	// lock, in order, without repeats.
 	idx, locked []int
+	hash        []uint64
 	// states[i] is check i's state after its take.
 	states []algorithm.State
 	// recs are the records the checks name; recOf[i] is check i's (1-based; 0 for none).
@@ -195,6 +262,7 @@ type memoryDecision struct {
 	// The slices start in these arrays, so that a decision of up to commonChecks rules, with
 	// its memoryDecision from the pool, allocates nothing.
 	idxBuf, lockedBuf, recOfBuf [commonChecks]int
+	hashBuf                     [commonChecks]uint64
 	freeBuf                     [commonChecks]bool
 	statesBuf                   [commonChecks]algorithm.State
 	recsBuf                     [2]memoryRecord
@@ -208,10 +276,10 @@ func (d *memoryDecision) init(s *Memory, checks []Check, out []algorithm.Decisio
 	d.s, d.checks, d.out = s, checks, out
 	d.at = s.now()
 	d.now = algorithm.Micros(d.at)
-	d.idx, d.locked, d.recOf, d.free = d.idxBuf[:], d.lockedBuf[:0], d.recOfBuf[:], d.freeBuf[:]
+	d.idx, d.hash, d.locked, d.recOf, d.free = d.idxBuf[:], d.hashBuf[:], d.lockedBuf[:0], d.recOfBuf[:], d.freeBuf[:]
 	d.states, d.recs = d.statesBuf[:0], d.recsBuf[:0]
 	if n := len(checks); n > commonChecks {
-		d.idx, d.locked, d.recOf, d.free = make([]int, n), make([]int, 0, n), make([]int, n), make([]bool, n)
+		d.idx, d.hash, d.locked, d.recOf, d.free = make([]int, n), make([]uint64, n), make([]int, 0, n), make([]int, n), make([]bool, n)
 		d.states = make([]algorithm.State, 0, n)
 	}
 }
@@ -228,7 +296,7 @@ func (d *memoryDecision) release() {
 // shards never deadlock.
 func (d *memoryDecision) lock() {
 	for i := range d.checks {
-		d.idx[i] = d.s.shardOf(&d.checks[i])
+		d.idx[i], d.hash[i] = d.s.locate(&d.checks[i])
 		// Insertion into the sorted, duplicate-free list of shards to lock.
 		n, j := len(d.locked), len(d.locked)
 		for j > 0 && d.locked[j-1] > d.idx[i] {
@@ -284,7 +352,7 @@ func (d *memoryDecision) findRecords() {
 func (d *memoryDecision) take() {
 	for i := range d.checks {
 		c := &d.checks[i]
-		st := d.s.shards[d.idx[i]].state(c)
+		st := d.state(i)
 		// A cost the rule can never admit is no repeat of an admitted request: it is refused as such.
 		if j := d.recOf[i]; j > 0 && d.recs[j-1].free() && c.Cost >= 0 && c.Cost <= c.Limit.Limit {
 			// A free repeat of an admitted request, for this check's policy: it passes uncharged.
@@ -336,7 +404,7 @@ func (d *memoryDecision) commitOrRefuseRepeat() bool {
 		}
 		for i := range d.checks {
 			if c := &d.checks[i]; c.Enforce && d.recOf[i] == j+1 {
-				_, d.out[i] = c.Limit.Take(d.s.shards[d.idx[i]].state(c), d.at, 0)
+				_, d.out[i] = c.Limit.Take(d.state(i), d.at, 0)
 				d.out[i].Allowed, d.out[i].Wait = false, 0
 				d.out[i].RetryAfter = time.Duration(max(1, math.Ceil((r.rec.expiresAt-d.now)/1000))) * time.Millisecond
 				return false
@@ -354,7 +422,7 @@ func (d *memoryDecision) keepRefusal() {
 	never := false
 	for i := range d.checks {
 		if c := &d.checks[i]; d.out[i].Allowed && !d.free[i] && c.Cost > 0 {
-			_, d.out[i] = c.Limit.Take(d.s.shards[d.idx[i]].state(c), d.at, 0)
+			_, d.out[i] = c.Limit.Take(d.state(i), d.at, 0)
 			d.out[i].Allowed = true
 		} else if !d.out[i].Allowed && c.Enforce {
 			retry = max(retry, d.out[i].RetryAfter)
@@ -378,7 +446,7 @@ func (d *memoryDecision) keepRefusal() {
 func (d *memoryDecision) charge() {
 	for i := range d.checks {
 		if !d.free[i] {
-			d.s.store(&d.s.shards[d.idx[i]], &d.checks[i], d.states[i], d.out[i], d.now)
+			d.store(i)
 		}
 	}
 	for j := range d.recs {
@@ -427,7 +495,7 @@ func (s *Memory) settle(checks []Check, out []algorithm.Decision, step func(*Che
 		c := &checks[i]
 		sh := &s.shards[d.idx[i]]
 		k := memoryKey{c.Tag, c.Rule}
-		e := sh.m[k]
+		e := sh.get(d.hash[i], k)
 		var st algorithm.State
 		if e != nil {
 			st = e.st
@@ -435,7 +503,7 @@ func (s *Memory) settle(checks []Check, out []algorithm.Decision, step func(*Che
 		next, dec := step(c, st, d.at)
 		out[i] = dec
 		if dec.Allowed && (e != nil || dec.Reset > 0) { // a fresh key left idle needs no entry
-			s.put(sh, k, e, &next, d.now+float64(dec.Reset.Microseconds()), d.now)
+			s.put(sh, d.hash[i], k, e, &next, d.now+float64(dec.Reset.Microseconds()), d.now)
 		}
 	}
 }
@@ -456,13 +524,14 @@ func (r *memoryRecord) free() bool {
 
 // decideOne is Decide for the common single-rule request: one shard, no bookkeeping.
 func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
-	sh := &s.shards[s.shardOf(c)]
+	i, h := s.locate(c)
+	sh := &s.shards[i]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	at := s.now()
 	now := algorithm.Micros(at)
 	k := memoryKey{c.Tag, c.Rule}
-	e := sh.m[k] // one lookup serves both the read and the write
+	e := sh.get(h, k) // one lookup serves both the read and the write
 	var st algorithm.State
 	if e != nil {
 		st = e.st
@@ -473,61 +542,64 @@ func (s *Memory) decideOne(c *Check, out []algorithm.Decision) (bool, error) {
 		return false, nil
 	}
 	if d.Allowed && c.Cost > 0 && !c.Deferred {
-		s.put(sh, k, e, &st, now+float64(d.Reset.Microseconds()), now)
+		s.put(sh, h, k, e, &st, now+float64(d.Reset.Microseconds()), now)
 	}
 	return true, nil
 }
 
-// put stores a charged state under k, whose entry is e or, if nil, new: it makes room for the
-// bytes the entry grows by, then counts them. The caller holds the shard's lock.
-func (s *Memory) put(sh *shard, k memoryKey, e *memoryEntry, st *algorithm.State, idleAt, now float64) {
+// put stores a charged state under k, whose hash is h and whose entry is e or, if nil, new: it
+// makes room for the bytes the entry grows by, then counts them. The caller holds the shard's
+// lock.
+func (s *Memory) put(sh *shard, h uint64, k memoryKey, e *memoryEntry, st *algorithm.State, idleAt, now float64) {
 	before := int64(0)
 	if e == nil {
-		e = &memoryEntry{}
-		s.makeRoom(sh, now, k, e.size(k)+int64(cap(st.Log))*algorithm.LogEntrySize)
-		sh.m[k] = e
+		e = &memoryEntry{key: k, hash: h}
+		s.makeRoom(sh, now, k, true, e.size()+int64(cap(st.Log))*algorithm.LogEntrySize)
+		sh.add(e)
 	} else {
-		before = e.size(k)
+		before = e.size()
 	}
 	e.keep(st, idleAt)
-	grown := e.size(k) - before
+	grown := e.size() - before
 	if before > 0 && grown > 0 {
-		s.makeRoom(sh, now, k, grown)
+		s.makeRoom(sh, now, k, false, grown)
 	}
 	sh.bytes += grown
 }
 
-func (sh *shard) state(c *Check) algorithm.State {
-	if e := sh.m[memoryKey{c.Tag, c.Rule}]; e != nil {
+// state is check i's state as its shard holds it.
+func (d *memoryDecision) state(i int) algorithm.State {
+	c := &d.checks[i]
+	if e := d.s.shards[d.idx[i]].get(d.hash[i], memoryKey{c.Tag, c.Rule}); e != nil {
 		return e.st
 	}
 	return algorithm.State{}
 }
 
-// store keeps the state a charged check produced. The caller holds the shard's lock.
-func (s *Memory) store(sh *shard, c *Check, st algorithm.State, d algorithm.Decision, now float64) {
-	if !d.Allowed || c.Cost == 0 || c.Deferred {
+// store keeps the state check i's charge produced. The caller holds the shard's lock.
+func (d *memoryDecision) store(i int) {
+	c, dec := &d.checks[i], &d.out[i]
+	if !dec.Allowed || c.Cost == 0 || c.Deferred {
 		return // a check, a shadow rule that would refuse, a rule charged by the response: nothing to charge
 	}
-	k := memoryKey{c.Tag, c.Rule}
-	s.put(sh, k, sh.m[k], &st, now+float64(d.Reset.Microseconds()), now)
+	sh, k := &d.s.shards[d.idx[i]], memoryKey{c.Tag, c.Rule}
+	d.s.put(sh, d.hash[i], k, sh.get(d.hash[i], k), &d.states[i], d.now+float64(dec.Reset.Microseconds()), d.now)
 }
 
 // evictionSample is how many entries a full shard looks at to choose the one to evict.
 const evictionSample = 8
 
 // makeRoom keeps a shard within its bounds before it grows by need bytes, a new key's or a
-// growing sliding log's: see evict. The key being written, keep, is never the one evicted.
-func (s *Memory) makeRoom(sh *shard, now float64, keep memoryKey, need int64) {
-	_, isNew := sh.m[keep]
-	isNew = !isNew
-	for len(sh.m) > 0 && (isNew && len(sh.m) >= s.perShard || sh.bytes+need > s.shardBytes) {
-		if !evict(sh, sh.m, keep, now, func(e *memoryEntry) float64 { return e.idleAt }, (*memoryEntry).size) {
+// growing sliding log's (isNew false): see evict. The key being written, keep, is never the
+// one evicted.
+func (s *Memory) makeRoom(sh *shard, now float64, keep memoryKey, isNew bool, need int64) {
+	for sh.keys() > 0 && (isNew && sh.keys() >= s.perShard || sh.bytes+need > s.shardBytes) {
+		if !sh.evictEntry(keep, now) {
 			break
 		}
 	}
 	for len(sh.records) > 0 && sh.bytes+need > s.shardBytes {
-		evict(sh, sh.records, memoryKey{}, now, func(r *idemRecord) float64 { return r.expiresAt }, (*idemRecord).size)
+		sh.evictRecord(now)
 	}
 }
 
@@ -535,10 +607,10 @@ func (s *Memory) makeRoom(sh *shard, now float64, keep memoryKey, need int64) {
 func (s *Memory) makeRecordRoom(sh *shard, now float64, k memoryKey) {
 	need := recordBytes + int64(len(k.tag)+len(k.rule))
 	for len(sh.records) > 0 && (len(sh.records) >= s.perShard || sh.bytes+need > s.shardBytes) {
-		evict(sh, sh.records, memoryKey{}, now, func(r *idemRecord) float64 { return r.expiresAt }, (*idemRecord).size)
+		sh.evictRecord(now)
 	}
-	for len(sh.m) > 0 && sh.bytes+need > s.shardBytes {
-		if !evict(sh, sh.m, memoryKey{}, now, func(e *memoryEntry) float64 { return e.idleAt }, (*memoryEntry).size) {
+	for sh.keys() > 0 && sh.bytes+need > s.shardBytes {
+		if !sh.evictEntry(memoryKey{}, now) {
 			break
 		}
 	}
@@ -552,17 +624,16 @@ func (r *idemRecord) size(k memoryKey) int64 { return recordBytes + int64(len(k.
 // the shard's count. It reports whether it dropped any. Evicting a live entry forgets some usage
 // of one client; the bounds are what keep a flood of random keys, or of large sliding logs,
 // from exhausting memory.
-func evict[V any](sh *shard, m map[memoryKey]V, keep memoryKey, now float64, end func(V) float64, size func(V, memoryKey) int64) bool {
+func evict[V any](sample iter.Seq2[memoryKey, V], keep memoryKey, now float64, end func(V) float64, drop func(memoryKey, V)) bool {
 	var victim memoryKey
 	var victimV V
 	victimEnd, seen, dropped := 0.0, 0, false
-	for k, v := range m {
+	for k, v := range sample {
 		if k == keep {
 			continue
 		}
 		if e := end(v); e <= now {
-			sh.bytes -= size(v, k)
-			delete(m, k)
+			drop(k, v)
 			dropped = true
 		} else if seen == 0 || e < victimEnd {
 			victim, victimV, victimEnd = k, v, e
@@ -572,11 +643,23 @@ func evict[V any](sh *shard, m map[memoryKey]V, keep memoryKey, now float64, end
 		}
 	}
 	if !dropped && seen > 0 {
-		sh.bytes -= size(victimV, victim)
-		delete(m, victim)
+		drop(victim, victimV)
 		dropped = true
 	}
 	return dropped
+}
+
+// evictEntry evicts among the shard's entries: see evict.
+func (sh *shard) evictEntry(keep memoryKey, now float64) bool {
+	return evict(sh.entries, keep, now, func(e *memoryEntry) float64 { return e.idleAt }, func(_ memoryKey, e *memoryEntry) { sh.drop(e) })
+}
+
+// evictRecord evicts among the shard's idempotency records: see evict.
+func (sh *shard) evictRecord(now float64) bool {
+	return evict(maps.All(sh.records), memoryKey{}, now, func(r *idemRecord) float64 { return r.expiresAt }, func(k memoryKey, r *idemRecord) {
+		sh.bytes -= r.size(k)
+		delete(sh.records, k)
+	})
 }
 
 // Sweep removes every entry whose state is back to idle.
@@ -585,10 +668,9 @@ func (s *Memory) Sweep() {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		for k, e := range sh.m {
+		for _, e := range sh.entries {
 			if e.idleAt <= now {
-				sh.bytes -= e.size(k)
-				delete(sh.m, k)
+				sh.drop(e)
 			}
 		}
 		for k, r := range sh.records {
@@ -617,7 +699,7 @@ func (s *Memory) Len() int {
 	n := 0
 	for i := range s.shards {
 		s.shards[i].mu.Lock()
-		n += len(s.shards[i].m) + len(s.shards[i].records)
+		n += s.shards[i].keys() + len(s.shards[i].records)
 		s.shards[i].mu.Unlock()
 	}
 	return n

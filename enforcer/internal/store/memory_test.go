@@ -12,9 +12,19 @@ import (
 	"github.com/sluice-dev/sluice/internal/algorithm"
 )
 
+// memories are the memory store, and one whose keys all share one hash: all but one key of a
+// shard then live in its collided map.
+var memories = map[string]func(store.MemoryOptions) *store.Memory{"memory": store.NewMemory, "memory-colliding": store.NewCollidingMemory}
+
 func TestMemoryWhenStateIsBackToIdleThenSweepRemovesTheKey(t *testing.T) {
+	for name, newMemory := range memories {
+		t.Run(name, func(t *testing.T) { testSweep(t, newMemory) })
+	}
+}
+
+func testSweep(t *testing.T, newMemory func(store.MemoryOptions) *store.Memory) {
 	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
-	s := store.NewMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
+	s := newMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
 	defer func() { _ = s.Close() }()
 	out := make([]algorithm.Decision, 1)
 	for i, l := range allKinds(5, 10*time.Second) {
@@ -41,8 +51,14 @@ func TestMemoryWhenStateIsBackToIdleThenSweepRemovesTheKey(t *testing.T) {
 }
 
 func TestMemoryWhenFloodedWithRandomKeysThenKeyCountStaysBounded(t *testing.T) {
+	for name, newMemory := range memories {
+		t.Run(name, func(t *testing.T) { testFlood(t, newMemory) })
+	}
+}
+
+func testFlood(t *testing.T, newMemory func(store.MemoryOptions) *store.Memory) {
 	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
-	s := store.NewMemory(store.MemoryOptions{MaxKeys: 6400, Now: clock.Now, SweepInterval: -1})
+	s := newMemory(store.MemoryOptions{MaxKeys: 6400, Now: clock.Now, SweepInterval: -1})
 	defer func() { _ = s.Close() }()
 	out := make([]algorithm.Decision, 1)
 	l := algorithm.Limit{Kind: algorithm.TokenBucket, Limit: 10, Rate: 1, Period: time.Hour}
@@ -54,6 +70,52 @@ func TestMemoryWhenFloodedWithRandomKeysThenKeyCountStaysBounded(t *testing.T) {
 	}
 	if n := s.Len(); n > 6400 {
 		t.Errorf("Len = %d after 100,000 distinct keys, want at most 6400", n)
+	}
+}
+
+// Keys whose hashes collide keep states of their own: when the key that holds the hash's slot
+// is swept, one that collided with it keeps its state, and a new key takes the slot; when one
+// that collided is swept, the others keep theirs.
+func TestMemoryWhenKeysCollideAndTheFirstIsSweptThenTheOthersKeepTheirStates(t *testing.T) {
+	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	s := store.NewCollidingMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
+	defer func() { _ = s.Close() }()
+	short := algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 1, Period: time.Second}
+	long := algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 1, Period: time.Hour}
+	decide := func(rule string, l algorithm.Limit) bool {
+		t.Helper()
+		// One client: its rules share a shard, and every key there has hash 0.
+		ok, err := s.Decide(context.Background(), []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: "client", Rule: rule}}, make([]algorithm.Decision, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	if !decide("first", short) || !decide("second", long) || decide("first", short) || decide("second", long) {
+		t.Fatal("each rule's first request admitted and its second refused: want each key its own state")
+	}
+	clock.Step(3 * time.Second)
+	s.Sweep()
+	if s.Len() != 1 {
+		t.Fatalf("Len = %d after the short window ended, want 1", s.Len())
+	}
+	if decide("second", long) {
+		t.Error("the colliding key's second request was admitted after the first key was swept: its state was lost")
+	}
+	if !decide("third", long) || decide("third", long) || decide("second", long) {
+		t.Error("a new key after the sweep: want its first admitted, its second refused, the old key's state kept")
+	}
+	// Now a key that collided is swept while the slot's holder stays.
+	if !decide("fourth", short) || s.Len() != 3 {
+		t.Fatalf("a fourth key: want admitted and 3 keys held, have %d", s.Len())
+	}
+	clock.Step(3 * time.Second)
+	s.Sweep()
+	if s.Len() != 2 {
+		t.Errorf("Len = %d after the fourth key's window ended, want 2", s.Len())
+	}
+	if decide("third", long) || decide("second", long) {
+		t.Error("a key's second request was admitted after another, colliding key was swept: its state was lost")
 	}
 }
 

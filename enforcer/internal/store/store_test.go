@@ -99,11 +99,11 @@ func newRedis(t *testing.T, opts store.RedisOptions, clock func() time.Time) sto
 	return s
 }
 
-// targets are the stores every algorithm runs on: memory, and, but in the fast tier, standalone
-// and Cluster Redis.
+// targets are the stores every algorithm runs on: memory, memory whose keys all share one hash,
+// and, but in the fast tier, standalone and Cluster Redis.
 func targets() []target {
 	if tier.Fast() {
-		return targetsAll()[:1]
+		return targetsAll()[:2]
 	}
 	return targetsAll()
 }
@@ -113,6 +113,12 @@ func targetsAll() []target {
 		{name: "memory", make: func(t *testing.T, clock func() time.Time) store.Store {
 			t.Helper()
 			s := store.NewMemory(store.MemoryOptions{Now: clock, SweepInterval: -1})
+			t.Cleanup(func() { _ = s.Close() })
+			return s
+		}},
+		{name: "memory-colliding", make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
+			s := store.NewCollidingMemory(store.MemoryOptions{Now: clock, SweepInterval: -1})
 			t.Cleanup(func() { _ = s.Close() })
 			return s
 		}},
@@ -430,7 +436,10 @@ func TestRedisWhenDecisionTimesOutThenItIsNotReplayed(t *testing.T) {
 // EVALSHA falls back to EVAL when Redis has forgotten the script.
 func TestRedisWhenScriptCacheIsFlushedThenDecisionsStillWork(t *testing.T) {
 	tier.Needs(t, "redis-server")
-	for _, tg := range targets()[1:] {
+	for _, tg := range targets() {
+		if !tg.redis {
+			continue
+		}
 		t.Run(tg.name, func(t *testing.T) {
 			s := tg.make(t, nil)
 			checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.SlidingLog, Limit: 5, Period: time.Minute}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}}
