@@ -29,7 +29,7 @@ LUA
 cat >"$work/lean-token-bucket.lua" <<'LUA'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local limit, rate, period, cost = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[10])
+local limit, rate, period, cost = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[11])
 local interval = period / rate
 local span = limit * interval
 local v = redis.call('GET', KEYS[1])
@@ -52,9 +52,18 @@ for s in return-1 time time-get-set lean-token-bucket decide; do
 	redis-cli -p $port flushall >/dev/null
 	sha=$(redis-cli -p $port script load "$(cat "$work/$s.lua")")
 	redis-cli -p $port config resetstat >/dev/null
-	# ARGV as the store sends one rule: now (from TIME), request id, records, mode, then kind 1
-	# (token bucket), limit, rate, period (µs), max wait, cost, enforce, record, deferred.
-	redis-benchmark -p $port -q -n "$calls" -c 20 -P 16 -r 100000 \
-		EVALSHA "$sha" 1 '{__rand_int__}:r' '' req1 '' d 1 1000000000 1000000000 1000000 0 1 1 0 0 >/dev/null
+	# ARGV as the store sends one rule (decide.lua's header): now (from TIME), request id,
+	# records, mode, enforcer, then kind 1 (token bucket), limit, rate, period (µs), max wait,
+	# cost, enforce, record, deferred, leases, take (-1: no lease), expiry, back, back_us, hold,
+	# spent. decide.lua must answer one rule's six fields after its two, allowed: else the
+	# arguments no longer match it and the run would time a script that decides nothing.
+	args=('{1}:r' '' req1 '' d e1 1 1000000000 1000000000 1000000 0 1 1 0 0 0 -1 0 0 0 0 0)
+	if [[ $s == decide ]]; then
+		reply=$(redis-cli -p $port evalsha "$sha" 1 "${args[@]}" | tr '\n' ' ')
+		[[ $reply =~ ^1\ [0-9]+\ 1\ [0-9]+\ [0-9]+\ 0\ 0\ 0\ $ ]] || { echo "decide.lua answered '$reply' to one token bucket: its arguments changed, update this script" >&2; exit 1; }
+		redis-cli -p $port flushall >/dev/null
+	fi
+	args[0]='{__rand_int__}:r'
+	redis-benchmark -p $port -q -n "$calls" -c 20 -P 16 -r 100000 EVALSHA "$sha" 1 "${args[@]}" >/dev/null
 	printf '%-18s %s µs per call\n' "$s" "$(redis-cli -p $port info commandstats | tr -d '\r' | awk -F'usec_per_call=' '/^cmdstat_evalsha:/ {split($2, a, ","); print a[1]}')"
 done

@@ -12,7 +12,7 @@
 -- ARGV[3]   "" or, per record j, "<window_ms>:<free repeats>", separated by spaces
 -- ARGV[4]   the mode: d (decide), f (finish) or r (renew)
 -- ARGV[5]   the enforcer's name, unique per process: the field of the units it leases
--- ARGV[6+12(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or
+-- ARGV[6+16(i-1) ...] per rule: kind, limit, rate, period_us, maxwait_us, cost, enforce (1 or
 --           0), record (0 for none, else the j of the record of the rule's policy and client),
 --           deferred (1 for a rule charged by the response: checked at cost, never charged here),
 --           leases (0 for none, else the k of the key of the bucket's leases), take (-1 for no
