@@ -594,12 +594,14 @@ const evictionSample = 8
 // one evicted.
 func (s *Memory) makeRoom(sh *shard, now float64, keep memoryKey, isNew bool, need int64) {
 	for sh.keys() > 0 && (isNew && sh.keys() >= s.perShard || sh.bytes+need > s.shardBytes) {
-		if !sh.evictEntry(keep, now) {
+		if !sh.evictEntry(&keep, now) {
 			break
 		}
 	}
 	for len(sh.records) > 0 && sh.bytes+need > s.shardBytes {
-		sh.evictRecord(now)
+		if !sh.evictRecord(now) {
+			break
+		}
 	}
 }
 
@@ -607,10 +609,12 @@ func (s *Memory) makeRoom(sh *shard, now float64, keep memoryKey, isNew bool, ne
 func (s *Memory) makeRecordRoom(sh *shard, now float64, k memoryKey) {
 	need := recordBytes + int64(len(k.tag)+len(k.rule))
 	for len(sh.records) > 0 && (len(sh.records) >= s.perShard || sh.bytes+need > s.shardBytes) {
-		sh.evictRecord(now)
+		if !sh.evictRecord(now) {
+			break
+		}
 	}
 	for sh.keys() > 0 && sh.bytes+need > s.shardBytes {
-		if !sh.evictEntry(memoryKey{}, now) {
+		if !sh.evictEntry(nil, now) {
 			break
 		}
 	}
@@ -619,17 +623,17 @@ func (s *Memory) makeRecordRoom(sh *shard, now float64, k memoryKey) {
 
 func (r *idemRecord) size(k memoryKey) int64 { return recordBytes + int64(len(k.tag)+len(k.rule)) }
 
-// evict drops, among a sample of a full map's entries other than keep, those that are over
+// evict drops, among a sample of a full map's entries other than keep (nil: none), those that are over
 // (their end has come) or, if none is, the one closest to its end, and takes their bytes off
 // the shard's count. It reports whether it dropped any. Evicting a live entry forgets some usage
 // of one client; the bounds are what keep a flood of random keys, or of large sliding logs,
 // from exhausting memory.
-func evict[V any](sample iter.Seq2[memoryKey, V], keep memoryKey, now float64, end func(V) float64, drop func(memoryKey, V)) bool {
+func evict[V any](sample iter.Seq2[memoryKey, V], keep *memoryKey, now float64, end func(V) float64, drop func(memoryKey, V)) bool {
 	var victim memoryKey
 	var victimV V
 	victimEnd, seen, dropped := 0.0, 0, false
 	for k, v := range sample {
-		if k == keep {
+		if keep != nil && k == *keep {
 			continue
 		}
 		if e := end(v); e <= now {
@@ -650,13 +654,13 @@ func evict[V any](sample iter.Seq2[memoryKey, V], keep memoryKey, now float64, e
 }
 
 // evictEntry evicts among the shard's entries: see evict.
-func (sh *shard) evictEntry(keep memoryKey, now float64) bool {
+func (sh *shard) evictEntry(keep *memoryKey, now float64) bool {
 	return evict(sh.entries, keep, now, func(e *memoryEntry) float64 { return e.idleAt }, func(_ memoryKey, e *memoryEntry) { sh.drop(e) })
 }
 
 // evictRecord evicts among the shard's idempotency records: see evict.
 func (sh *shard) evictRecord(now float64) bool {
-	return evict(maps.All(sh.records), memoryKey{}, now, func(r *idemRecord) float64 { return r.expiresAt }, func(k memoryKey, r *idemRecord) {
+	return evict(maps.All(sh.records), nil, now, func(r *idemRecord) float64 { return r.expiresAt }, func(k memoryKey, r *idemRecord) {
 		sh.bytes -= r.size(k)
 		delete(sh.records, k)
 	})

@@ -119,6 +119,39 @@ func TestMemoryWhenKeysCollideAndTheFirstIsSweptThenTheOthersKeepTheirStates(t *
 	}
 }
 
+// Names are any bytes, none of them special: a record of an empty tag and an empty idempotency
+// key is evicted like any other when its shard is full (it was skipped as "keep none", and the
+// next record of its shard spun for ever under the shard's lock).
+func TestMemoryWhenKeysAreEmptyStringsThenTheyAreEvictedLikeAnyOther(t *testing.T) {
+	for name, newMemory := range memories {
+		t.Run(name, func(t *testing.T) {
+			s := newMemory(store.MemoryOptions{MaxKeys: 64, SweepInterval: -1}) // one key per shard
+			defer func() { _ = s.Close() }()
+			l := algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: time.Hour}
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				for _, rule := range []string{"", "r"} {
+					for _, key := range []string{"", "x"} {
+						c := []store.Check{{Limit: l, Cost: 1, Enforce: true, Tag: "", Rule: rule, Idempotency: &store.Idempotency{Key: key, Window: time.Hour}}}
+						if ok, err := s.Decide(context.Background(), c, make([]algorithm.Decision, 1)); !ok || err != nil {
+							t.Errorf("rule %q, key %q: %v, %v; want admitted", rule, key, ok, err)
+						}
+					}
+				}
+			}()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("a decision of an empty tag did not return in 10s")
+			}
+			if n := s.Len(); n > 2 {
+				t.Errorf("Len = %d with one key per shard, want at most 2 (an entry and a record)", n)
+			}
+		})
+	}
+}
+
 func TestMemoryWhenRefusedThenNoRuleIsCharged(t *testing.T) {
 	s := store.NewMemory(store.MemoryOptions{SweepInterval: -1})
 	defer func() { _ = s.Close() }()
