@@ -23,6 +23,7 @@ func TestMemoryWhenStateIsBackToIdleThenSweepRemovesTheKey(t *testing.T) {
 }
 
 func testSweep(t *testing.T, newMemory func(store.MemoryOptions) *store.Memory) {
+	t.Helper()
 	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 	s := newMemory(store.MemoryOptions{Now: clock.Now, SweepInterval: -1})
 	defer func() { _ = s.Close() }()
@@ -57,6 +58,7 @@ func TestMemoryWhenFloodedWithRandomKeysThenKeyCountStaysBounded(t *testing.T) {
 }
 
 func testFlood(t *testing.T, newMemory func(store.MemoryOptions) *store.Memory) {
+	t.Helper()
 	clock := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 	s := newMemory(store.MemoryOptions{MaxKeys: 6400, Now: clock.Now, SweepInterval: -1})
 	defer func() { _ = s.Close() }()
