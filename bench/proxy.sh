@@ -5,7 +5,8 @@
 #   3. the enforcer with a standalone Redis,
 #   4. nginx as a reverse proxy with limit_req,
 # each with wrk (closed loop: throughput) and bench/loadgen at half of the memory enforcer's rate
-# (fixed rate: latency of every target at the same offered load); then the check API with the Redis store at
+# (fixed rate: latency of every target at the same offered load), and the Redis enforcer and nginx
+# at half of the Redis enforcer's own rate; then the check API with the Redis store at
 # concurrency 50, and Redis scripts per request from INFO commandstats; last, the ceilings: Go's
 # servers and proxies without a decision, and with a trivial pipelined Redis script per request.
 #
@@ -91,6 +92,13 @@ for t in "upstream:$UP" "enforcer-memory:$ENF_MEM" "enforcer-redis:$ENF_REDIS" "
 	name=${t%%:*} port=${t##*:}
 	printf '%-22s at %d/s: %s\n' "$name" "$half" "$("$work/loadgen" -url "http://127.0.0.1:$port/" -rate "$half" -duration "${secs}s")"
 done
+# Half of what the enforcer with Redis sustains, offered to it and to nginx (issue 32's tail
+# target: p99 at most 3x nginx's there); the Redis proxy's ceiling gets it below.
+halfRedis=$(awk -v r="${full[enforcer-redis]}" 'BEGIN {printf "%d", r / 2}')
+for t in "enforcer-redis:$ENF_REDIS" "nginx-limit_req:$NGINX_RL"; do
+	name=${t%%:*} port=${t##*:}
+	printf '%-22s at %d/s: %s\n' "$name" "$halfRedis" "$("$work/loadgen" -url "http://127.0.0.1:$port/" -rate "$halfRedis" -duration "${secs}s")"
+done
 
 calls() { redis-cli -p $REDIS info commandstats | awk -F'[=,:]' '/cmdstat_eval(sha)?:/ {n += $3} END {print n + 0}'; }
 before=$(calls)
@@ -130,6 +138,7 @@ pid=$!
 sleep 0.5
 printf 'ceiling, %-13s %12s req/s\n' "proxy-redis" "$(wrk -t2 -c64 -d"${secs}s" "http://127.0.0.1:$CEIL/" | rate)"
 printf 'ceiling, %-13s at %d/s: %s\n' "proxy-redis" "$half" "$("$work/loadgen" -url "http://127.0.0.1:$CEIL/" -rate "$half" -duration "${secs}s")"
+printf 'ceiling, %-13s at %d/s: %s\n' "proxy-redis" "$halfRedis" "$("$work/loadgen" -url "http://127.0.0.1:$CEIL/" -rate "$halfRedis" -duration "${secs}s")"
 kill $pid; wait $pid 2>/dev/null || true
 "$work/ceiling" -mode fastcheck-redis -listen 127.0.0.1:$CEIL -redis 127.0.0.1:$REDIS 2>/dev/null &
 pid=$!
