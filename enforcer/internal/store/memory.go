@@ -623,11 +623,11 @@ func (s *Memory) makeRecordRoom(sh *shard, now float64, k memoryKey) {
 
 func (r *idemRecord) size(k memoryKey) int64 { return recordBytes + int64(len(k.tag)+len(k.rule)) }
 
-// evict drops, among a sample of a full map's entries other than keep (nil: none), those that are over
-// (their end has come) or, if none is, the one closest to its end, and takes their bytes off
-// the shard's count. It reports whether it dropped any. Evicting a live entry forgets some usage
-// of one client; the bounds are what keep a flood of random keys, or of large sliding logs,
-// from exhausting memory.
+// evict drops, among a sample of a full map's entries other than keep (nil: none), those that
+// are over (their end has come) or, if none is, the one closest to its end, and takes their
+// bytes off the shard's count. It reports whether it dropped any. Evicting a live entry forgets
+// some usage of one client; the bounds are what keep a flood of random keys, or of large
+// sliding logs, from exhausting memory.
 func evict[V any](sample iter.Seq2[memoryKey, V], keep *memoryKey, now float64, end func(V) float64, drop func(memoryKey, V)) bool {
 	var victim memoryKey
 	var victimV V
