@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // maxBatch bounds how many decisions share one pipeline.
@@ -19,12 +17,11 @@ var errClosed = errors.New("redis store closed")
 // writes them in one go: under load many decisions share one write and one read, on both sides,
 // while each is still its own atomic script. A lone decision goes out at once, alone.
 //
-// Nothing is ever sent twice: pipelines are not retried, and only a NOSCRIPT reply, which means
-// the script did not run, is sent again as EVAL. A decision whose caller gave up before its
-// pipeline was written is not sent at all.
+// Nothing is ever sent twice: pipelines are not retried, and only a reply that says the script
+// did not run is sent again (scripts.run). A decision whose caller gave up before its pipeline
+// was written is not sent at all.
 type batcher struct {
-	client redis.UniversalClient
-	script *redis.Script
+	scripts *scripts
 	// timeout bounds a pipeline whose callers set no deadline.
 	timeout time.Duration
 	calls   chan *scriptCall
@@ -42,10 +39,9 @@ type scriptCall struct {
 	done  chan struct{}
 }
 
-func newBatcher(client redis.UniversalClient, script *redis.Script, dispatchers int, timeout time.Duration) *batcher {
+func newBatcher(scripts *scripts, dispatchers int, timeout time.Duration) *batcher {
 	b := &batcher{
-		client:  client,
-		script:  script,
+		scripts: scripts,
 		timeout: timeout,
 		calls:   make(chan *scriptCall, 4*maxBatch),
 		stop:    make(chan struct{}),
@@ -134,37 +130,8 @@ func (b *batcher) send(batch []*scriptCall) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	cmds := b.exec(ctx, live, func(p redis.Pipeliner, c *scriptCall) *redis.Cmd {
-		return b.script.EvalSha(ctx, p, c.keys, c.args...)
-	})
-	// NOSCRIPT means the script did not run: Redis forgot it. Send those again with its body.
-	var retry []*scriptCall
-	for i, c := range live {
-		if err := cmds[i].Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			retry = append(retry, c)
-			continue
-		}
-		c.reply, c.err = cmds[i].Result()
+	b.scripts.run(ctx, live)
+	for _, c := range live {
 		close(c.done)
 	}
-	if len(retry) == 0 {
-		return
-	}
-	cmds = b.exec(ctx, retry, func(p redis.Pipeliner, c *scriptCall) *redis.Cmd {
-		return b.script.Eval(ctx, p, c.keys, c.args...)
-	})
-	for i, c := range retry {
-		c.reply, c.err = cmds[i].Result()
-		close(c.done)
-	}
-}
-
-func (b *batcher) exec(ctx context.Context, calls []*scriptCall, add func(redis.Pipeliner, *scriptCall) *redis.Cmd) []*redis.Cmd {
-	p := b.client.Pipeline()
-	cmds := make([]*redis.Cmd, len(calls))
-	for i, c := range calls {
-		cmds[i] = add(p, c)
-	}
-	_, _ = p.Exec(ctx) // each command carries its own error
-	return cmds
 }

@@ -31,3 +31,9 @@ func NewCollidingMemory(opts MemoryOptions) *Memory {
 	s.collide = true
 	return s
 }
+
+// Functions reports whether decisions go by FCALL of the decide script's library.
+func (s *Redis) Functions() bool { return s.scripts.loaded.Load() }
+
+// DecideLibrary and DecideFunction are the decide script's function library and its function.
+var DecideLibrary, DecideFunction = decideLibrary, decideFunction

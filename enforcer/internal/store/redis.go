@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/tls"
-	_ "embed"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -20,16 +19,6 @@ import (
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/algorithm"
 	"github.com/sluice-dev/sluice/internal/settings"
-)
-
-var (
-	//go:embed scripts/decide.lua
-	decideLua    string
-	decideScript = redis.NewScript(decideLua)
-
-	//go:embed scripts/refund.lua
-	refundLua    string
-	refundScript = redis.NewScript(refundLua)
 )
 
 // RedisOptions configure a Redis store.
@@ -81,8 +70,10 @@ type Redis struct {
 	// is noted: they hold a decision between its bookkeeping and Redis. Production leaves them
 	// nil.
 	leaseScript, leaseAnswer func()
-	// batch pipelines decisions; nil on a Cluster, where every tag may live on another node.
-	batch *batcher
+	// scripts runs the decide script; batch pipelines decisions through it, nil on a Cluster,
+	// where every tag may live on another node.
+	scripts *scripts
+	batch   *batcher
 	// leases are the units this enforcer holds of leased rules; refills, the trips in flight
 	// that take units ahead.
 	leases  leases
@@ -141,13 +132,15 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		timeout: opts.Timeout,
 		idBase:  hex.EncodeToString(b[:]) + ".",
 		clock:   opts.Now,
+		scripts: newScripts(client, decideScript, decideLibrary, decideFunction),
 	}
 	if opts.Pipelines == 0 {
 		opts.Pipelines = 4
 	}
 	if !s.cluster && opts.Pipelines > 0 {
-		s.batch = newBatcher(client, decideScript, opts.Pipelines, opts.Timeout)
+		s.batch = newBatcher(s.scripts, opts.Pipelines, opts.Timeout)
 	}
+	s.scripts.load()
 	return s, nil
 }
 
@@ -170,6 +163,7 @@ func (s *Redis) Close() error {
 	if s.batch != nil {
 		s.batch.close()
 	}
+	s.scripts.close()
 	return s.client.Close()
 }
 
@@ -386,7 +380,9 @@ func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []in
 	if s.batch != nil {
 		reply, err = s.batch.run(ctx, keys, args)
 	} else {
-		reply, err = decideScript.Run(ctx, s.client, keys, args...).Result()
+		c := &scriptCall{keys: keys, args: args}
+		s.scripts.run(ctx, []*scriptCall{c})
+		reply, err = c.reply, c.err
 	}
 	if err != nil {
 		if scriptFault(err) {

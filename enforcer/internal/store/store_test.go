@@ -28,7 +28,9 @@ import (
 
 var (
 	standalone *redistest.Server
-	cluster    *redistest.Cluster
+	// noFunctions answers FCALL and FUNCTION as a Redis 6 does: unknown commands.
+	noFunctions *redistest.Server
+	cluster     *redistest.Cluster
 )
 
 func TestMain(m *testing.M) {
@@ -39,8 +41,14 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
+	if noFunctions, err = redistest.StartServer("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", ""); err != nil {
+		standalone.Stop()
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
 	if cluster, err = redistest.StartCluster(3); err != nil {
 		standalone.Stop()
+		noFunctions.Stop()
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
@@ -51,13 +59,14 @@ func TestMain(m *testing.M) {
 		code = 1
 	}
 	standalone.Stop()
+	noFunctions.Stop()
 	cluster.Stop()
 	os.Exit(code)
 }
 
 func keysWithoutTTL() error {
 	ctx := context.Background()
-	servers := append([]*redistest.Server{standalone}, cluster.Nodes...)
+	servers := append([]*redistest.Server{standalone, noFunctions}, cluster.Nodes...)
 	scanned := 0
 	for _, s := range servers {
 		c := redis.NewClient(&redis.Options{Addr: s.Addr()})
@@ -100,7 +109,8 @@ func newRedis(t *testing.T, opts store.RedisOptions, clock func() time.Time) sto
 }
 
 // targets are the stores every algorithm runs on: memory, memory whose keys all share one hash,
-// and, but in the fast tier, standalone and Cluster Redis.
+// and, but in the fast tier, standalone Redis (by FCALL, and by EVALSHA on a Redis without
+// functions) and Cluster Redis.
 func targets() []target {
 	if tier.Fast() {
 		return targetsAll()[:2]
@@ -125,6 +135,10 @@ func targetsAll() []target {
 		{name: "standalone", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
 			t.Helper()
 			return newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock)
+		}},
+		{name: "standalone-eval", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
+			t.Helper()
+			return newRedis(t, store.RedisOptions{Addrs: []string{noFunctions.Addr()}}, clock)
 		}},
 		{name: "cluster", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
 			t.Helper()
@@ -445,7 +459,7 @@ func TestRedisWhenScriptCacheIsFlushedThenDecisionsStillWork(t *testing.T) {
 			checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.SlidingLog, Limit: 5, Period: time.Minute}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}}
 			out := make([]algorithm.Decision, 1)
 			for i := range 3 {
-				for _, n := range append([]*redistest.Server{standalone}, cluster.Nodes...) {
+				for _, n := range append([]*redistest.Server{standalone, noFunctions}, cluster.Nodes...) {
 					if err := n.Client(t).ScriptFlush(context.Background()).Err(); err != nil {
 						t.Fatal(err)
 					}
@@ -487,7 +501,8 @@ func (h countHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 
 var scriptCalls = redistest.ScriptCalls
 
-// One decision is one round trip and one script, whatever the number of rules.
+// One decision is one round trip and one script, whatever the number of rules (once the
+// library is loaded: before, by EVALSHA, too).
 func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {
 	tier.Needs(t, "redis-server")
 	s := newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, nil).(*store.Redis)
@@ -500,9 +515,10 @@ func TestRedisWhenManyRulesMatchThenOneRoundTripAndOneScript(t *testing.T) {
 			checks = append(checks, store.Check{Limit: allKinds(10, time.Minute)[i%5], Cost: 1, Enforce: true, Tag: uniqueTag(t, rules), Rule: "r" + strconv.Itoa(i)})
 		}
 		out := make([]algorithm.Decision, rules)
-		if _, err := s.Decide(context.Background(), checks, out); err != nil { // loads the script
+		if _, err := s.Decide(context.Background(), checks, out); err != nil { // loads the library
 			t.Fatal(err)
 		}
+		poll.WaitFor(t, 10*time.Second, poll.True("the library loaded", s.Functions))
 		trips.Store(0)
 		before := scriptCalls(t, admin)
 		for range 10 {

@@ -71,8 +71,8 @@ func NewServerWithConfig(t testing.TB, configFile string, args ...string) *Serve
 	return s
 }
 
-// StartServer starts a standalone Redis. The caller stops it.
-func StartServer() (*Server, error) { return start(false, standalone(nil)) }
+// StartServer starts a standalone Redis, given extra flags. The caller stops it.
+func StartServer(extra ...string) (*Server, error) { return start(false, standalone(extra)) }
 
 // standalone returns the arguments of a server on port, with extra appended.
 func standalone(extra []string) func(s *Server) ([]string, error) {
@@ -376,9 +376,9 @@ func lastLines(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-var scriptStat = regexp.MustCompile(`cmdstat_(evalsha|eval):calls=(\d+)`)
+var scriptStat = regexp.MustCompile(`cmdstat_(evalsha|eval|fcall):calls=(\d+)`)
 
-// ScriptCalls is how many scripts the server ran (EVALSHA and EVAL), from INFO commandstats.
+// ScriptCalls is how many scripts the server ran (EVALSHA, EVAL and FCALL), from INFO commandstats.
 // Commands that scripts call are counted there under their own names, and are left out.
 func ScriptCalls(tb testing.TB, c *redis.Client) int64 {
 	tb.Helper()

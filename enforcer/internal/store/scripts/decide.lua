@@ -68,18 +68,14 @@
 --                               order, then dropped; the hash outlives the last expiry by the
 --                               bucket's span, after which the bucket is full whatever it held.
 
-local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local W = 16 -- ARGV per rule
-local B = 6 -- the first rule's first ARGV
+-- math's functions, set by run: a library loading (FUNCTION LOAD) may not read Lua's libraries.
+local floor, ceil, max, min
+local W = 16 -- arguments per rule
+local B = 6 -- the first rule's first argument
 
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local id = ARGV[2]
+-- A call's arguments and what it reads once, set by run: the helpers below are defined once per
+-- library load (FCALL), or per call (EVAL, on a Redis without functions).
+local keys, argv, now, id, n, nrecs, leases, recs, logged
 
 -- Numbers given to redis.call are formatted with 14 digits; timestamps need 17.
 local function fmt(x) return string.format('%.17g', x) end
@@ -148,28 +144,23 @@ local function swcWrite(idx, cur, prev)
 end
 local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
 
--- The rules, the records and the lease keys.
-local n = (#ARGV - B + 1) / W
-local function arg(i, f) return ARGV[B + (i - 1) * W + f] end
-local nrecs = 0
-for _ in string.gmatch(ARGV[3], '(%d+):(%d+)') do nrecs = nrecs + 1 end
+local function arg(i, f) return argv[B + (i - 1) * W + f] end
 
 -- leases[i], for a token bucket whose units enforcers lease: its hash's key, the units out, the
 -- bucket's time t with the expired leases' bounds applied, the fields of those, and the latest
 -- expiry of the others. Read once per call.
-local leases = {}
 local function leased(i, t, interval)
   local k = tonumber(arg(i, 9))
   if k == 0 then return t, 0 end
   local l = leases[i]
   if not l then
-    l = {key = KEYS[n + nrecs + k], out = 0, gone = {}, last = 0}
+    l = {key = keys[n + nrecs + k], out = 0, gone = {}, last = 0}
     local all = redis.call('HGETALL', l.key)
     local ended = {}
     -- A request that takes replaces what its enforcer held: units it has spent, or spends now,
     -- but for those it keeps holding. They were held until it last spent some: the bound of
     -- all of them holds until then, like an expiry's.
-    local mine = tonumber(arg(i, 10)) >= 0 and ARGV[5]
+    local mine = tonumber(arg(i, 10)) >= 0 and argv[5]
     for j = 1, #all, 2 do
       local u, e = string.match(all[j + 1], '^(%d+):(%d+)$')
       u, e = tonumber(u), tonumber(e)
@@ -203,9 +194,9 @@ end
 -- changes nothing, except that a sliding log drops entries that left its window.
 local function decide(i, cost)
   local b = B + (i - 1) * W
-  local kind, limit, rate = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
-  local period, maxwait = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  local key = KEYS[i]
+  local kind, limit, rate = tonumber(argv[b]), tonumber(argv[b + 1]), tonumber(argv[b + 2])
+  local period, maxwait = tonumber(argv[b + 3]), tonumber(argv[b + 4])
+  local key = keys[i]
   local allowed, remaining, reset, retry, wait = false, 0, 0, 0, 0
   local write
   if kind == 1 or kind == 2 then
@@ -353,7 +344,7 @@ local function decide(i, cost)
     reset = us(latest - now)
 
   else
-    error('sluice: unknown algorithm ' .. tostring(ARGV[b]))
+    error('sluice: unknown algorithm ' .. tostring(argv[b]))
   end
 
   return allowed, remaining, reset, retry, wait, write
@@ -362,7 +353,7 @@ end
 -- evaluate is decide, but a cost the rule can never admit is refused first, as a cost-0 check
 -- sees the rule, with retry_us NEVER.
 local function evaluate(i, cost)
-  local limit = tonumber(ARGV[B + (i - 1) * W + 1])
+  local limit = tonumber(argv[B + (i - 1) * W + 1])
   if cost < 0 or cost > limit then
     local _, remaining, reset = decide(i, 0)
     return false, remaining, reset, NEVER, 0, nil
@@ -370,15 +361,6 @@ local function evaluate(i, cost)
   return decide(i, cost)
 end
 
--- The records.
-local recs = {}
-for w, f in string.gmatch(ARGV[3], '(%d+):(%d+)') do
-  recs[#recs + 1] = {window = tonumber(w), free = tonumber(f)}
-end
-for j, r in ipairs(recs) do
-  r.key = KEYS[n + j]
-  r.seen = tonumber(redis.call('GET', r.key) or nil)
-end
 local function enforced(i) return arg(i, 6) == '1' end
 local function rec(i) return recs[tonumber(arg(i, 7))] end
 local function deferred(i) return arg(i, 8) == '1' end
@@ -386,9 +368,8 @@ local function deferred(i) return arg(i, 8) == '1' end
 -- keep stores what rule i charged, r = {evaluate(...)}, for the request named member. A
 -- decision that names one rule twice charges it once, the last cost, as the memory store's last
 -- write wins: logged holds the member each sorted set was given.
-local logged = {}
 local function keep(i, r, member, cost)
-  local kind, key, reset = tonumber(arg(i, 0)), KEYS[i], r[3]
+  local kind, key, reset = tonumber(arg(i, 0)), keys[i], r[3]
   if kind == 4 or kind == 6 then
     if logged[key] then redis.call('ZREM', key, logged[key]) end
     logged[key] = member .. ':' .. cost
@@ -421,28 +402,27 @@ end
 local function giveBack(i)
   local back = tonumber(arg(i, 12))
   if back <= 0 or tonumber(arg(i, 0)) ~= 3 then return end
-  local v = redis.call('GET', KEYS[i])
+  local v = redis.call('GET', keys[i])
   if not v then return end
   local period = tonumber(arg(i, 3))
   local idx, w = floor(now / period), floor(tonumber(v) / FW_SHIFT)
   if floor(tonumber(arg(i, 13)) / period) == idx and w == idx % FW_WINDOWS then
     local c = tonumber(v) - w * FW_SHIFT
-    redis.call('SET', KEYS[i], fmt(w * FW_SHIFT + max(0, c - back)), 'KEEPTTL')
+    redis.call('SET', keys[i], fmt(w * FW_SHIFT + max(0, c - back)), 'KEEPTTL')
   end
 end
 
-local mode = ARGV[4]
-if mode == 'f' then
-  -- Finish: the response has ended. Each rule in turn, never refusing: a concurrency limit's
-  -- lease is released; any other rule is charged the cost its response reported, at most what
-  -- it has left now (algorithm.Limit.Charge), so a larger cost takes it to exhaustion.
+-- finish: the response has ended. Each rule in turn, never refusing: a concurrency limit's
+-- lease is released; any other rule is charged the cost its response reported, at most what
+-- it has left now (algorithm.Limit.Charge), so a larger cost takes it to exhaustion.
+local function finish()
   local res = {}
   for i = 1, n do
     local cost = tonumber(arg(i, 5))
     if tonumber(arg(i, 0)) == 6 then
       decide(i, 0) -- drops the expired leases
-      if redis.call('ZREM', KEYS[i], id .. ':' .. cost) == 1 then
-        redis.call('ZINCRBY', KEYS[i], fmt(-cost), '#')
+      if redis.call('ZREM', keys[i], id .. ':' .. cost) == 1 then
+        redis.call('ZINCRBY', keys[i], fmt(-cost), '#')
       end
       res[i] = {evaluate(i, 0)}
     else
@@ -458,18 +438,20 @@ if mode == 'f' then
     end
   end
   return reply(res)
-elseif mode == 'r' then
-  -- Renew: a concurrency limit's lease that has not expired runs a lease timeout from now.
+end
+
+-- renew: a concurrency limit's lease that has not expired runs a lease timeout from now.
+local function renew()
   local res = {}
   for i = 1, n do
     if tonumber(arg(i, 0)) == 6 then
       decide(i, 0) -- drops the expired leases
       local member = id .. ':' .. tonumber(arg(i, 5))
-      if redis.call('ZSCORE', KEYS[i], member) then
-        redis.call('ZADD', KEYS[i], fmt(now + tonumber(arg(i, 3))), member)
+      if redis.call('ZSCORE', keys[i], member) then
+        redis.call('ZADD', keys[i], fmt(now + tonumber(arg(i, 3))), member)
       end
       res[i] = {evaluate(i, 0)}
-      if res[i][3] > 0 then redis.call('PEXPIRE', KEYS[i], ttl(res[i][3])) end
+      if res[i][3] > 0 then redis.call('PEXPIRE', keys[i], ttl(res[i][3])) end
     else
       res[i] = {evaluate(i, 0)}
     end
@@ -477,89 +459,9 @@ elseif mode == 'r' then
   return reply(res)
 end
 
-for i = 1, n do giveBack(i) end
-
-local res, free = {}, {}
-local commit, all_free = true, true
-for i = 1, n do
-  local r = rec(i)
-  local cost, limit = tonumber(arg(i, 5)), tonumber(arg(i, 1))
-  -- A cost the rule can never admit is no repeat of an admitted request: it is refused as such.
-  if r and r.seen and r.seen >= 0 and r.seen < r.free and cost >= 0 and cost <= limit then
-    -- A free repeat of an admitted request, for this rule's policy: it passes uncharged.
-    free[i] = true
-    res[i] = {evaluate(i, 0)}
-    res[i][1], res[i][5] = true, 0
-  else
-    all_free = false
-    res[i] = {evaluate(i, tonumber(arg(i, 5)))}
-    if enforced(i) and not res[i][1] then commit = false end
-    if deferred(i) and res[i][1] then
-      -- Charged by the response, not here: it reports its state as it stays.
-      res[i] = {evaluate(i, 0)}
-      res[i][1] = true
-    end
-  end
-end
-
-if commit then
-  -- A repeat of a refused request, before that refusal's Retry-After: refused the same way. The
-  -- limits refuse it already unless they changed; if none does, the first enforced rule of the
-  -- record's policy refuses it until the record ends.
-  for j, r in ipairs(recs) do
-    if r.seen and r.seen < 0 then
-      for i = 1, n do
-        if commit and enforced(i) and tonumber(arg(i, 7)) == j then
-          res[i] = {evaluate(i, 0)}
-          res[i][1], res[i][4], res[i][5] = false, max(1, redis.call('PTTL', r.key)) * 1000, 0
-          commit = false
-        end
-      end
-    end
-  end
-end
-
--- A lease: once the request is admitted, a rule asked to take charges up to that many units
--- more, as many as it has left, for the enforcer to decide later requests from.
-local granted = {}
-if commit then
-  for i = 1, n do
-    local take, r = tonumber(arg(i, 10)), res[i]
-    if take > 0 and r[1] and not free[i] and enforced(i) and not deferred(i) then
-      local extra = min(take, r[2])
-      if extra > 0 then
-        local more = {evaluate(i, tonumber(arg(i, 5)) + extra)}
-        if more[1] then res[i], granted[i] = more, extra end
-      end
-    end
-  end
-end
-
-local out = {commit and (all_free and 2 or 1) or 0, now}
-local retry_max, never = 0, false
-for i = 1, n do
-  local r = res[i]
-  local cost = tonumber(arg(i, 5))
-  if not commit and r[1] and not free[i] and cost > 0 then
-    -- Nothing is charged, so a rule that would have allowed reports its state as it stays.
-    r = {evaluate(i, 0)}
-    r[1] = true
-  end
-  if not r[1] and enforced(i) then
-    retry_max = max(retry_max, r[4])
-    never = never or r[4] == NEVER
-  end
-  out[#out + 1] = r[1] and (free[i] and 2 or 1) or 0
-  out[#out + 1] = r[2]
-  out[#out + 1] = r[3]
-  out[#out + 1] = r[4]
-  out[#out + 1] = r[5]
-  out[#out + 1] = granted[i] or 0
-end
-
 -- The token buckets' leases: the expired ones leave, their bounds kept in the bucket's time; an
 -- admitted request that took replaces what its enforcer held (spent by now) by what it took.
-local function settleLeases()
+local function settleLeases(res, free, commit, granted)
   for i, l in pairs(leases) do
     local r = res[i]
     local charged = commit and r[1] and r[6] and not free[i]
@@ -568,53 +470,164 @@ local function settleLeases()
       if not charged then
         -- The expired leases' bounds stay in the bucket's time, which only moves on: the same
         -- rule named again in this request may have been charged past them already.
-        local v = redis.call('GET', KEYS[i])
+        local v = redis.call('GET', keys[i])
         local t = 0
         if v then t = struct.unpack('<d', v) end
-        if l.t > max(t, now) then redis.call('SET', KEYS[i], struct.pack('<d', l.t), 'PX', ttl(l.t - now)) end
+        if l.t > max(t, now) then redis.call('SET', keys[i], struct.pack('<d', l.t), 'PX', ttl(l.t - now)) end
       end
     end
     if commit and r[1] and not free[i] and tonumber(arg(i, 10)) >= 0 then
       local units = (granted[i] or 0) + tonumber(arg(i, 14))
       if units > 0 then
         local e = now + tonumber(arg(i, 11))
-        redis.call('HSET', l.key, ARGV[5], units .. ':' .. fmt(e))
+        redis.call('HSET', l.key, argv[5], units .. ':' .. fmt(e))
         l.last = max(l.last, e)
       else
-        redis.call('HDEL', l.key, ARGV[5])
+        redis.call('HDEL', l.key, argv[5])
       end
     end
     if l.last > 0 then
       local b = B + (i - 1) * W
-      local span = tonumber(ARGV[b + 1]) * tonumber(ARGV[b + 3]) / tonumber(ARGV[b + 2])
+      local span = tonumber(argv[b + 1]) * tonumber(argv[b + 3]) / tonumber(argv[b + 2])
       redis.call('PEXPIRE', l.key, ttl(l.last - now + span))
     end
   end
 end
 
-if not commit then
-  settleLeases()
-  for _, r in ipairs(recs) do
-    if not r.seen and not never then
-      -- The first refusal of this request: its repeats are refused until its Retry-After. A
-      -- request that can never pass leaves no record: its repeats are refused as it was.
-      redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
+-- decideRequest decides the request: every rule checked, all charged or none, and the leases
+-- taken and settled.
+local function decideRequest()
+  for i = 1, n do giveBack(i) end
+
+  local res, free = {}, {}
+  local commit, all_free = true, true
+  for i = 1, n do
+    local r = rec(i)
+    local cost, limit = tonumber(arg(i, 5)), tonumber(arg(i, 1))
+    -- A cost the rule can never admit is no repeat of an admitted request: it is refused as such.
+    if r and r.seen and r.seen >= 0 and r.seen < r.free and cost >= 0 and cost <= limit then
+      -- A free repeat of an admitted request, for this rule's policy: it passes uncharged.
+      free[i] = true
+      res[i] = {evaluate(i, 0)}
+      res[i][1], res[i][5] = true, 0
+    else
+      all_free = false
+      res[i] = {evaluate(i, tonumber(arg(i, 5)))}
+      if enforced(i) and not res[i][1] then commit = false end
+      if deferred(i) and res[i][1] then
+        -- Charged by the response, not here: it reports its state as it stays.
+        res[i] = {evaluate(i, 0)}
+        res[i][1] = true
+      end
     end
   end
+
+  if commit then
+    -- A repeat of a refused request, before that refusal's Retry-After: refused the same way. The
+    -- limits refuse it already unless they changed; if none does, the first enforced rule of the
+    -- record's policy refuses it until the record ends.
+    for j, r in ipairs(recs) do
+      if r.seen and r.seen < 0 then
+        for i = 1, n do
+          if commit and enforced(i) and tonumber(arg(i, 7)) == j then
+            res[i] = {evaluate(i, 0)}
+            res[i][1], res[i][4], res[i][5] = false, max(1, redis.call('PTTL', r.key)) * 1000, 0
+            commit = false
+          end
+        end
+      end
+    end
+  end
+
+  -- A lease: once the request is admitted, a rule asked to take charges up to that many units
+  -- more, as many as it has left, for the enforcer to decide later requests from.
+  local granted = {}
+  if commit then
+    for i = 1, n do
+      local take, r = tonumber(arg(i, 10)), res[i]
+      if take > 0 and r[1] and not free[i] and enforced(i) and not deferred(i) then
+        local extra = min(take, r[2])
+        if extra > 0 then
+          local more = {evaluate(i, tonumber(arg(i, 5)) + extra)}
+          if more[1] then res[i], granted[i] = more, extra end
+        end
+      end
+    end
+  end
+
+  local out = {commit and (all_free and 2 or 1) or 0, now}
+  local retry_max, never = 0, false
+  for i = 1, n do
+    local r = res[i]
+    local cost = tonumber(arg(i, 5))
+    if not commit and r[1] and not free[i] and cost > 0 then
+      -- Nothing is charged, so a rule that would have allowed reports its state as it stays.
+      r = {evaluate(i, 0)}
+      r[1] = true
+    end
+    if not r[1] and enforced(i) then
+      retry_max = max(retry_max, r[4])
+      never = never or r[4] == NEVER
+    end
+    out[#out + 1] = r[1] and (free[i] and 2 or 1) or 0
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3]
+    out[#out + 1] = r[4]
+    out[#out + 1] = r[5]
+    out[#out + 1] = granted[i] or 0
+  end
+
+  if not commit then
+    settleLeases(res, free, commit, granted)
+    for _, r in ipairs(recs) do
+      if not r.seen and not never then
+        -- The first refusal of this request: its repeats are refused until its Retry-After. A
+        -- request that can never pass leaves no record: its repeats are refused as it was.
+        redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
+      end
+    end
+    return out
+  end
+
+  for _, r in ipairs(recs) do
+    if r.seen then
+      redis.call('SET', r.key, fmt(r.seen + 1), 'KEEPTTL') -- a repeat, free or charged
+    else
+      redis.call('SET', r.key, '0', 'PX', r.window)
+    end
+  end
+
+  for i = 1, n do
+    local r = res[i]
+    if r[1] and r[6] and not free[i] then keep(i, r, id, tonumber(arg(i, 5))) end
+  end
+  settleLeases(res, free, commit, granted)
   return out
 end
 
-for _, r in ipairs(recs) do
-  if r.seen then
-    redis.call('SET', r.key, fmt(r.seen + 1), 'KEEPTTL') -- a repeat, free or charged
+-- run decides a call of the script: its keys and arguments as the header describes.
+local function run(k, a)
+  floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+  keys, argv = k, a
+  if argv[1] ~= '' then
+    now = tonumber(argv[1])
   else
-    redis.call('SET', r.key, '0', 'PX', r.window)
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   end
+  id = argv[2]
+  n = (#argv - B + 1) / W
+  leases, logged, recs = {}, {}, {}
+  for w, f in string.gmatch(argv[3], '(%d+):(%d+)') do
+    recs[#recs + 1] = {window = tonumber(w), free = tonumber(f)}
+  end
+  nrecs = #recs
+  for j, r in ipairs(recs) do
+    r.key = keys[n + j]
+    r.seen = tonumber(redis.call('GET', r.key) or nil)
+  end
+  local mode = argv[4]
+  if mode == 'f' then return finish() end
+  if mode == 'r' then return renew() end
+  return decideRequest()
 end
-
-for i = 1, n do
-  local r = res[i]
-  if r[1] and r[6] and not free[i] then keep(i, r, id, tonumber(arg(i, 5))) end
-end
-settleLeases()
-return out
