@@ -8,8 +8,9 @@
 # 200). Reported per store: requests per second summed over the three wrks, the worst of their
 # three p99s, answers other than 2xx, decisions that failed open (a Redis call past
 # --redis-timeout admits unchecked: counted from the enforcers' metrics, as a 200 hides it), Redis
-# scripts per request (evalsha + eval calls in INFO commandstats over the requests of the run) and
-# the rate as a share of the memory store's, which runs first and again last (the mean of both).
+# scripts per request (FCALL, EVALSHA and EVAL calls in INFO commandstats over the requests of the
+# run) and the rate as a share of the memory store's, which runs first and again last (the mean of
+# both).
 # wrk is closed-loop: the rate is what this machine sustains with everything on its cores.
 #
 # Needs wrk, nginx, redis-server and curl (Debian: apt-get install wrk nginx-light redis-server curl).
@@ -84,7 +85,7 @@ failedOpen() {
 	for i in 0 1 2; do curl -sf "http://127.0.0.1:$((base[$1] + 6 + i))/metrics"; done |
 		awk '/^sluice_decisions_total\{.*result="failed_open"/ {n += $NF} END {printf "%d\n", n}'
 }
-calls() { redis-cli -p $REDIS info commandstats | awk -F'[=,:]' '/cmdstat_eval(sha)?:/ {n += $3} END {print n + 0}'; }
+calls() { redis-cli -p $REDIS info commandstats | awk -F'[=,:]' '/cmdstat_(eval|evalsha|fcall):/ {n += $3} END {print n + 0}'; }
 # sum FILES... prints requests/s, requests, the worst p99 in ms, answers other than 2xx or 3xx, and
 # socket errors, over the wrk outputs.
 sum() {

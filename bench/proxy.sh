@@ -100,7 +100,7 @@ for t in "enforcer-redis:$ENF_REDIS" "nginx-limit_req:$NGINX_RL"; do
 	printf '%-22s at %d/s: %s\n' "$name" "$halfRedis" "$("$work/loadgen" -url "http://127.0.0.1:$port/" -rate "$halfRedis" -duration "${secs}s")"
 done
 
-calls() { redis-cli -p $REDIS info commandstats | awk -F'[=,:]' '/cmdstat_eval(sha)?:/ {n += $3} END {print n + 0}'; }
+calls() { redis-cli -p $REDIS info commandstats | awk -F'[=,:]' '/cmdstat_(eval|evalsha|fcall):/ {n += $3} END {print n + 0}'; }
 before=$(calls)
 cat >"$work/random-client.lua" <<'EOF'
 -- Each request describes a request of one of 10,000 clients, drawn at random.
