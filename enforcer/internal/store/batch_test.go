@@ -24,7 +24,7 @@ func TestBatcherWhenTheCallerGaveUpBeforeItsPipelineThenTheScriptIsNeverSent(t *
 	}
 	pipelines := make(chan int, 16) // the calls of each pipeline the dispatcher writes
 	client.AddHook(pipelineHook(pipelines))
-	b := newBatcher(newScripts(client, script, "", ""), 1, time.Second) // one dispatcher: the second call must wait
+	b := newBatcher(newScripts(client, script, "", "", time.Second), 1, time.Second) // one dispatcher: the second call must wait
 	t.Cleanup(b.close)
 
 	srv.Pause()

@@ -132,7 +132,7 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		timeout: opts.Timeout,
 		idBase:  hex.EncodeToString(b[:]) + ".",
 		clock:   opts.Now,
-		scripts: newScripts(client, decideScript, decideLibrary, decideFunction),
+		scripts: newScripts(client, decideScript, decideLibrary, decideFunction, opts.Timeout),
 	}
 	if opts.Pipelines == 0 {
 		opts.Pipelines = 4

@@ -40,6 +40,9 @@ func library(name, body string) (code, function string) {
 		"\nredis.register_function('" + lib + "', function(keys, args) return run(keys, args) end)\n", lib
 }
 
+// errForeignLibrary is a library of the decide library's name but other code, on a server.
+var errForeignLibrary = errors.New("a library of the decide library's name holds other code")
+
 // How soon a library may be loaded again after a load that failed: soon when Redis did not answer,
 // seldom when it refused (a Redis without functions, or an ACL user without FUNCTION).
 const (
@@ -57,25 +60,31 @@ const (
 type scripts struct {
 	client redis.UniversalClient
 	script *redis.Script
-	// library and function are the library's code and its function's name; "" for none.
+	// library and function are the library's code and its function's name, which is the
+	// library's too; "" for none.
 	library, function string
 	// loaded is true while calls go by FCALL.
 	loaded atomic.Bool
 	// next is when a load may start, in Unix nanoseconds; a load in flight holds it at its end.
 	next atomic.Int64
 	mu   sync.Mutex
-	// ctx ends the load in flight at close, which waits for it.
+	// timeout bounds each load; ctx ends at close, which waits for the load in flight.
+	timeout time.Duration
 	ctx     context.Context
 	cancel  context.CancelFunc
 	loading sync.WaitGroup
 }
 
-func newScripts(client redis.UniversalClient, script *redis.Script, library, function string) *scripts {
+// newScripts runs script, and the library's function where Redis takes it; each load of the
+// library takes at most timeout, but at least a second (Redis compiles it).
+func newScripts(client redis.UniversalClient, script *redis.Script, library, function string, timeout time.Duration) *scripts {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &scripts{client: client, script: script, library: library, function: function, ctx: ctx, cancel: cancel}
+	return &scripts{client: client, script: script, library: library, function: function,
+		timeout: max(timeout, time.Second), ctx: ctx, cancel: cancel}
 }
 
-// close ends the load in flight, if any, and waits for it; none starts after.
+// close stops loads: none starts after it, and it waits for the one in flight, which its
+// timeout bounds (a read blocked on Redis does not see a cancel).
 func (s *scripts) close() {
 	s.mu.Lock()
 	s.cancel()
@@ -90,25 +99,31 @@ func (s *scripts) run(ctx context.Context, calls []*scriptCall) {
 		cmds := exec(ctx, s.client, calls, func(p redis.Pipeliner, c *scriptCall) *redis.Cmd {
 			return p.FCall(ctx, s.function, c.keys, c.args...)
 		})
-		refusedAny := false
+		var lost, refusedAny bool
 		for i, c := range calls {
-			if why := notRun(cmds[i].Err()); why != ran {
-				refusedAny = refusedAny || why == refused
-				retry = append(retry, c)
+			why := notRun(cmds[i].Err())
+			if why == ran {
+				c.reply, c.err = cmds[i].Result()
 				continue
 			}
-			c.reply, c.err = cmds[i].Result()
+			retry = append(retry, c)
+			lost = lost || why != denied
+			refusedAny = refusedAny || why == refused
 		}
 		if len(retry) == 0 {
 			return
 		}
-		s.loaded.Store(false)
+		if lost {
+			s.loaded.Store(false)
+		}
 		if refusedAny {
 			s.next.Store(time.Now().Add(reloadAfterRefusal).UnixNano())
 		}
 		calls = retry
 	}
-	s.load()
+	if !s.loaded.Load() {
+		s.load()
+	}
 	cmds := exec(ctx, s.client, calls, func(p redis.Pipeliner, c *scriptCall) *redis.Cmd {
 		return s.script.EvalSha(ctx, p, c.keys, c.args...)
 	})
@@ -137,21 +152,34 @@ const (
 	ran     = iota // it ran (its error, if any, is its own)
 	missing        // it is not loaded on that server: load it
 	refused        // the server has no FCALL, or the user may not call it: use EVALSHA
+	// denied: the server refuses writes now (out of memory, too few replicas, a replica, a failed
+	// save), and a function that may write is refused before it runs, where a script runs until
+	// its first write: a refusal, which writes nothing, is still answered. Sent by EVALSHA, as
+	// before the library.
+	denied
 )
 
-// notRun reports whether an FCALL's error says that the function did not run, and why.
+// notRun reports whether an FCALL's error says that the function did not run, and why. Errors
+// that a running function raised name it ("script: <name>"): those ran.
 func notRun(err error) int {
 	var reply redis.Error
 	if !errors.As(err, &reply) {
 		return ran
 	}
-	msg := strings.ToLower(reply.Error())
+	msg := reply.Error()
+	if strings.Contains(msg, "script: ") {
+		return ran
+	}
+	lower := strings.ToLower(msg)
 	switch {
-	case strings.HasPrefix(msg, "err function not found"):
+	case strings.HasPrefix(msg, "ERR Function not found"):
 		return missing
-	case strings.HasPrefix(msg, "err unknown command") && strings.Contains(msg, "fcall"),
-		strings.HasPrefix(msg, "noperm") && strings.Contains(msg, "'fcall'"):
+	case strings.HasPrefix(msg, "ERR unknown command") && strings.Contains(lower, "fcall"),
+		strings.HasPrefix(msg, "NOPERM") && strings.Contains(lower, "'fcall'"):
 		return refused
+	case strings.HasPrefix(msg, "OOM "), strings.HasPrefix(msg, "NOREPLICAS "),
+		strings.HasPrefix(msg, "READONLY "), strings.HasPrefix(msg, "MISCONF "):
+		return denied
 	}
 	return ran
 }
@@ -171,7 +199,7 @@ func (s *scripts) load() {
 	s.loading.Add(1)
 	go func() {
 		defer s.loading.Done()
-		ctx, cancel := context.WithTimeout(s.ctx, 10*time.Second)
+		ctx, cancel := context.WithTimeout(s.ctx, s.timeout)
 		defer cancel()
 		err := s.loadAll(ctx)
 		var reply redis.Error
@@ -179,7 +207,7 @@ func (s *scripts) load() {
 		case err == nil:
 			s.loaded.Store(true)
 			s.next.Store(time.Now().Add(reloadAfterFailure).UnixNano()) // at most one a second
-		case errors.As(err, &reply):
+		case errors.As(err, &reply), errors.Is(err, errForeignLibrary):
 			s.next.Store(time.Now().Add(reloadAfterRefusal).UnixNano())
 		default:
 			s.next.Store(time.Now().Add(reloadAfterFailure).UnixNano())
@@ -191,10 +219,21 @@ func (s *scripts) loadAll(ctx context.Context) error {
 	one := func(ctx context.Context, c *redis.Client) error {
 		err := c.FunctionLoad(ctx, s.library).Err()
 		var reply redis.Error
-		if errors.As(err, &reply) && strings.HasPrefix(reply.Error(), "ERR Library '") && strings.HasSuffix(reply.Error(), "' already exists") {
-			return nil // loaded by another enforcer, or kept since: the same code, by its name
+		if !errors.As(err, &reply) || !strings.HasPrefix(reply.Error(), "ERR Library '") || !strings.HasSuffix(reply.Error(), "' already exists") {
+			return err
 		}
-		return err
+		// Loaded by another enforcer, or kept since; or by someone else under its name, which
+		// anyone may compute: its code must be this one, or FCALL would decide by another's.
+		libs, err := c.FunctionList(ctx, redis.FunctionListQuery{LibraryNamePattern: s.function, WithCode: true}).Result()
+		if err != nil {
+			return err
+		}
+		for _, l := range libs {
+			if l.Name == s.function && l.Code == s.library {
+				return nil
+			}
+		}
+		return errForeignLibrary
 	}
 	switch c := s.client.(type) {
 	case *redis.ClusterClient:

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -132,5 +133,81 @@ func TestRedisWhenFunctionsAreRefusedThenDecisionsGoByEVALSHA(t *testing.T) {
 				t.Errorf("%d EVALSHAs ran for 21 decisions", n)
 			}
 		})
+	}
+}
+
+// A Redis that refuses writes (out of memory, too few replicas) refuses a function that may write
+// before it runs, where a script runs until its first write: a request over its limit is still
+// refused, without an error (not a failure of the store, whose failure mode would admit it), as
+// by EVALSHA.
+func TestRedisWhenRedisRefusesWritesThenRequestsOverTheLimitAreStillRefused(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	srv := redistest.NewServer(t)
+	admin := srv.Client(t)
+	ctx := context.Background()
+	s := newRedis(t, store.RedisOptions{Addrs: []string{srv.Addr()}}, nil)
+	poll.WaitFor(t, 10*time.Second, poll.True("the library loaded", s.(*store.Redis).Functions))
+	c := store.Check{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 3, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}
+	for i := range 3 {
+		exactly(t, s, c, int64(2-i))
+	}
+	for _, refusal := range [][2]string{{"maxmemory", "1"}, {"min-replicas-to-write", "1"}} {
+		t.Run(refusal[0], func(t *testing.T) {
+			if err := admin.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
+				t.Fatal(err)
+			}
+			if err := admin.ConfigSet(ctx, refusal[0], refusal[1]).Err(); err != nil {
+				t.Fatal(err)
+			}
+			defer func() {
+				if err := admin.ConfigSet(ctx, refusal[0], "0").Err(); err != nil {
+					t.Fatal(err)
+				}
+			}()
+			if err := admin.Do(ctx, "FCALL", store.DecideFunction, "0").Err(); err == nil || strings.Contains(err.Error(), "script: ") {
+				t.Fatalf("FCALL with %s %s: %v, want it refused before it runs", refusal[0], refusal[1], err)
+			}
+			out := make([]algorithm.Decision, 1)
+			if ok, err := s.Decide(ctx, []store.Check{c}, out); ok || err != nil {
+				t.Fatalf("a request over its limit with %s %s: passed %v, error %v; want refused without an error", refusal[0], refusal[1], ok, err)
+			}
+			if !s.(*store.Redis).Functions() {
+				t.Error("the library counts as lost after a refused write")
+			}
+		})
+	}
+}
+
+// A library of the decide library's name holding other code (loaded by anyone who may use
+// FUNCTION: the name follows from the code, which is public) is never called: decisions go by
+// EVALSHA, and stay exact. Here the impostor admits everything.
+func TestRedisWhenALibraryOfItsNameHoldsOtherCodeThenItIsNeverCalled(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	srv := redistest.NewServer(t)
+	admin := srv.Client(t)
+	ctx := context.Background()
+	impostor := "#!lua name=" + store.DecideFunction + "\nredis.register_function('" + store.DecideFunction +
+		"', function(keys, args) return {1, 0, 1, 1000, 0, 0, 0, 0} end)\n"
+	if err := admin.FunctionLoad(ctx, impostor).Err(); err != nil {
+		t.Fatal(err)
+	}
+	s := newRedis(t, store.RedisOptions{Addrs: []string{srv.Addr()}}, nil)
+	poll.WaitFor(t, 10*time.Second, poll.True("the library's code compared", func() bool { return calls(t, admin, "function\\|list") > 0 }))
+	c := store.Check{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 5, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}
+	passed := 0
+	for range 10 {
+		ok, err := s.Decide(ctx, []store.Check{c}, make([]algorithm.Decision, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			passed++
+		}
+	}
+	if passed != 5 {
+		t.Errorf("%d of 10 passed a window of 5", passed)
+	}
+	if n := calls(t, admin, "fcall"); n != 0 {
+		t.Errorf("the impostor was called %d times", n)
 	}
 }
