@@ -134,7 +134,7 @@ func targetsAll() []target {
 		}},
 		{name: "standalone", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
 			t.Helper()
-			return newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock)
+			return byFunction(t, newRedis(t, store.RedisOptions{Addrs: []string{standalone.Addr()}}, clock))
 		}},
 		{name: "standalone-eval", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
 			t.Helper()
@@ -142,9 +142,16 @@ func targetsAll() []target {
 		}},
 		{name: "cluster", redis: true, make: func(t *testing.T, clock func() time.Time) store.Store {
 			t.Helper()
-			return newRedis(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: cluster.Addrs()}, clock)
+			return byFunction(t, newRedis(t, store.RedisOptions{Mode: v1alpha1.RedisCluster, Addrs: cluster.Addrs()}, clock))
 		}},
 	}
+}
+
+// byFunction waits until s calls the decide script's library by FCALL.
+func byFunction(t *testing.T, s store.Store) store.Store {
+	t.Helper()
+	poll.WaitFor(t, 10*time.Second, poll.True("the library loaded", s.(*store.Redis).Functions))
+	return s
 }
 
 func allKinds(limit int64, period time.Duration) []algorithm.Limit {
