@@ -6,6 +6,7 @@ import (
 	_ "embed" // the scripts are embedded
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"math"
 	"strings"
 	"sync"
@@ -31,13 +32,16 @@ var (
 	refundScript = redis.NewScript(refundLua)
 )
 
-// library is the code of a function library holding body, whose function run(keys, args) it
-// registers, and the name that calls it.
+// libraryCode is a function library of one function, named as the library, that calls the
+// body's run(keys, args).
+const libraryCode = "#!lua name=%[1]s\n%[2]s\nredis.register_function('%[1]s', function(keys, args) return run(keys, args) end)\n"
+
+// library is the code of a function library holding body, and the name that calls it: a hash of
+// the code, so that two codes never share a name.
 func library(name, body string) (code, function string) {
-	sum := sha1.Sum([]byte(body))
+	sum := sha1.Sum([]byte(fmt.Sprintf(libraryCode, "", body)))
 	lib := "sluice_" + name + "_" + hex.EncodeToString(sum[:8])
-	return "#!lua name=" + lib + "\n" + body +
-		"\nredis.register_function('" + lib + "', function(keys, args) return run(keys, args) end)\n", lib
+	return fmt.Sprintf(libraryCode, lib, body), lib
 }
 
 // errForeignLibrary is a library of the decide library's name but other code, on a server.
@@ -49,6 +53,9 @@ const (
 	reloadAfterFailure = time.Second
 	reloadAfterRefusal = time.Minute
 )
+
+// evalWhileDenied is how long calls go by EVALSHA after Redis refused an FCALL a write.
+const evalWhileDenied = time.Second
 
 // scripts runs the decide script on one Redis deployment: by FCALL once its library is loaded,
 // by EVALSHA (EVAL when Redis forgot the script) before that and wherever Redis has no functions
@@ -67,7 +74,11 @@ type scripts struct {
 	loaded atomic.Bool
 	// next is when a load may start, in Unix nanoseconds; a load in flight holds it at its end.
 	next atomic.Int64
-	mu   sync.Mutex
+	// deniedUntil is when calls may go by FCALL again after Redis refused it a write (Unix
+	// nanoseconds): meanwhile they go by EVALSHA at once, without an FCALL refused first (and,
+	// on a replica, the connection go-redis closes after a READONLY reply).
+	deniedUntil atomic.Int64
+	mu          sync.Mutex
 	// timeout bounds each load; ctx ends at close, which waits for the load in flight.
 	timeout time.Duration
 	ctx     context.Context
@@ -95,11 +106,11 @@ func (s *scripts) close() {
 // run sends each call's decide script in one pipeline, and hands each its reply.
 func (s *scripts) run(ctx context.Context, calls []*scriptCall) {
 	var retry []*scriptCall
-	if s.loaded.Load() {
+	if s.loaded.Load() && time.Now().UnixNano() >= s.deniedUntil.Load() {
 		cmds := exec(ctx, s.client, calls, func(p redis.Pipeliner, c *scriptCall) *redis.Cmd {
 			return p.FCall(ctx, s.function, c.keys, c.args...)
 		})
-		var lost, refusedAny bool
+		var lost, refusedAny, deniedAny bool
 		for i, c := range calls {
 			why := notRun(cmds[i].Err())
 			if why == ran {
@@ -107,8 +118,9 @@ func (s *scripts) run(ctx context.Context, calls []*scriptCall) {
 				continue
 			}
 			retry = append(retry, c)
-			lost = lost || why != denied
+			lost = lost || why == missing || why == refused
 			refusedAny = refusedAny || why == refused
+			deniedAny = deniedAny || why == denied
 		}
 		if len(retry) == 0 {
 			return
@@ -118,6 +130,9 @@ func (s *scripts) run(ctx context.Context, calls []*scriptCall) {
 		}
 		if refusedAny {
 			s.next.Store(time.Now().Add(reloadAfterRefusal).UnixNano())
+		}
+		if deniedAny {
+			s.deniedUntil.Store(time.Now().Add(evalWhileDenied).UnixNano())
 		}
 		calls = retry
 	}
@@ -154,8 +169,8 @@ const (
 	refused        // the server has no FCALL, or the user may not call it: use EVALSHA
 	// denied: the server refuses writes now (out of memory, too few replicas, a replica, a failed
 	// save), and a function that may write is refused before it runs, where a script runs until
-	// its first write: a refusal, which writes nothing, is still answered. Sent by EVALSHA, as
-	// before the library.
+	// its first write: a refusal that writes nothing is still answered. Sent by EVALSHA, as
+	// before the library, and so are the calls of the next evalWhileDenied.
 	denied
 )
 

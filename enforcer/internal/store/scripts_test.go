@@ -211,3 +211,41 @@ func TestRedisWhenALibraryOfItsNameHoldsOtherCodeThenItIsNeverCalled(t *testing.
 		t.Errorf("the impostor was called %d times", n)
 	}
 }
+
+// A Redis demoted to a replica (a failover) refuses the function before it runs, and go-redis
+// drops a connection that was answered READONLY: over-limit requests are still refused, and
+// calls go by EVALSHA for a while, not by a refused FCALL and a new connection each.
+func TestRedisWhenItsRedisBecameAReplicaThenOverLimitRequestsAreRefusedWithoutReconnecting(t *testing.T) {
+	tier.Needs(t, "redis-server")
+	master, replica := redistest.NewServer(t), redistest.NewServer(t)
+	ctx := context.Background()
+	s := byFunction(t, newRedis(t, store.RedisOptions{Addrs: []string{replica.Addr()}}, nil))
+	m := byFunction(t, newRedis(t, store.RedisOptions{Addrs: []string{master.Addr()}}, nil))
+	c := store.Check{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 3, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}
+	for i := range 3 {
+		exactly(t, m, c, int64(2-i))
+	}
+	admin := replica.Client(t)
+	host, port, _ := strings.Cut(master.Addr(), ":")
+	if err := admin.ReplicaOf(ctx, host, port).Err(); err != nil {
+		t.Fatal(err)
+	}
+	poll.WaitFor(t, 10*time.Second, poll.True("the replica in sync", func() bool {
+		info, err := admin.Info(ctx, "replication").Result()
+		return err == nil && strings.Contains(info, "master_link_status:up")
+	}))
+	connections := func() int64 {
+		m := regexp.MustCompile(`total_connections_received:(\d+)`).FindStringSubmatch(admin.Info(ctx, "stats").Val())
+		n, _ := strconv.ParseInt(m[1], 10, 64)
+		return n
+	}
+	before := connections()
+	for range 50 {
+		if ok, err := s.Decide(ctx, []store.Check{c}, make([]algorithm.Decision, 1)); ok || err != nil {
+			t.Fatalf("a request over its limit on the replica: passed %v, error %v; want refused without an error", ok, err)
+		}
+	}
+	if n := connections() - before; n > 5 {
+		t.Errorf("%d connections opened for 50 decisions", n)
+	}
+}
