@@ -4,6 +4,12 @@
 -- stores reach identical decisions. The same script, in another mode, ends a request once its
 -- response has ended (finish) or renews its leases (renew); see the end of the file.
 --
+-- The file defines functions only, the last one run(KEYS, ARGV), which decides a call: the store
+-- loads it as a Redis function library, whose functions are made once, and calls run by FCALL,
+-- or sends it by EVALSHA with `return run(KEYS, ARGV)` appended
+-- (enforcer/internal/store/scripts.go). Per-call state lives in the file's locals that run sets;
+-- nothing else may outlive a call.
+--
 -- KEYS[i]   the key of rule i, i = 1..n; then KEYS[n+j], j = 1..m: idempotency record j; then
 --           KEYS[n+m+k]: the leases of the k-th leased token bucket (see below)
 -- ARGV[1]   "" in production: the time comes from Redis TIME. Tests may pass microseconds.
