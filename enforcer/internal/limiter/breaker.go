@@ -22,8 +22,12 @@ type breaker struct {
 	failures uint32
 	open     time.Duration
 	now      func() time.Time
-	// changed is told whether the breaker now skips the store (open or probing) or not.
+	// changed is told whether the breaker now skips the store (open or probing) or not, under
+	// its lock, so that it sees the changes in order; told is told the same once the lock is
+	// released, with the failure that opened the breaker (nil when a probe closed it). Neither
+	// hears of a failed probe opening it again.
 	changed func(skipping bool)
+	told    func(skipping bool, err error)
 
 	mu          sync.Mutex
 	state       breakerState
@@ -59,6 +63,16 @@ func (b *breaker) allow() error {
 
 // done records the outcome of an allowed decision.
 func (b *breaker) done(err error) {
+	if changed, skipping := b.record(err); changed && b.told != nil {
+		if !skipping {
+			err = nil
+		}
+		b.told(skipping, err)
+	}
+}
+
+// record is done's part under the lock: it reports whether the breaker changed, and to what.
+func (b *breaker) record(err error) (changed, skipping bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	failed := err != nil && !errors.Is(err, store.ErrFault)
@@ -68,6 +82,7 @@ func (b *breaker) done(err error) {
 	case b.state == breakerProbing:
 		b.state, b.consecutive = breakerClosed, 0
 		b.changed(false)
+		return true, false
 	case !failed:
 		b.consecutive = 0
 	default:
@@ -75,8 +90,10 @@ func (b *breaker) done(err error) {
 		if b.consecutive >= b.failures {
 			b.trip()
 			b.changed(true)
+			return true, true
 		}
 	}
+	return false, false
 }
 
 // abandon records an allowed decision that ended with neither a success nor a failure: its

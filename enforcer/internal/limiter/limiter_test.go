@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/enforcer"
@@ -205,11 +208,25 @@ func TestLimiterWhenBehindProxiesThenTheClientIsTheFirstUntrustedAddress(t *test
 }
 
 // The breaker, on the limiter's clock: open after 3 consecutive failures, a second later one probe
-// reaches the store; a failed probe opens it again for a second, a successful one closes it.
+// reaches the store; a failed probe opens it again for a second, a successful one closes it. The
+// log has one line when it opens, naming the failure, and one when it closes: none for a failed
+// probe, which comes every second while Redis is down.
 func TestLimiterWhenTheStoreFailsAndRecoversThenTheBreakerOpensProbesAndCloses(t *testing.T) {
 	fs := &fakeStore{err: errors.New("dial tcp: connection refused")}
 	clk := newClock()
-	l := limiter.New(limiter.Options{Store: fs, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now})
+	var logMu sync.Mutex
+	var logged []string
+	log := funcr.New(func(_, args string) {
+		logMu.Lock()
+		defer logMu.Unlock()
+		logged = append(logged, args)
+	}, funcr.Options{})
+	lines := func() []string {
+		logMu.Lock()
+		defer logMu.Unlock()
+		return slices.Clone(logged)
+	}
+	l := limiter.New(limiter.Options{Store: fs, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now, Log: log})
 	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
 	ctx := context.Background()
 	decide := func(n int) {
@@ -226,14 +243,24 @@ func TestLimiterWhenTheStoreFailsAndRecoversThenTheBreakerOpensProbesAndCloses(t
 	}
 	decide(2)
 	step("two failures", 2, false)
+	if got := lines(); len(got) != 0 {
+		t.Fatalf("logged before the breaker opened: %q", got)
+	}
 	decide(5)
 	step("the third failure opens it; the next four skip the store", 3, true)
+	if got := lines(); len(got) != 1 || !strings.Contains(got[0], `"msg"="The store circuit breaker opened`) ||
+		!strings.Contains(got[0], `"error"="dial tcp: connection refused"`) || !strings.Contains(got[0], `"failures"=3`) {
+		t.Fatalf("logged when the breaker opened: %q; want one line naming the failure", got)
+	}
 	clk.Step(999 * time.Millisecond)
 	decide(3)
 	step("still open a millisecond before the second ends", 3, true)
 	clk.Step(time.Millisecond)
 	decide(3)
 	step("one probe after the second; it fails and opens the breaker again", 4, true)
+	if got := lines(); len(got) != 1 {
+		t.Fatalf("a failed probe logged: %q", got[1:])
+	}
 	clk.Step(time.Second)
 	fs.mu.Lock()
 	fs.err = nil
@@ -242,6 +269,9 @@ func TestLimiterWhenTheStoreFailsAndRecoversThenTheBreakerOpensProbesAndCloses(t
 		t.Fatalf("the successful probe: %v, want Allowed", res.Outcome)
 	}
 	step("the probe succeeds and closes it", 5, false)
+	if got := lines(); len(got) != 2 || !strings.Contains(got[1], `"msg"="The store circuit breaker closed`) {
+		t.Fatalf("logged when the breaker closed: %q; want one more line saying so", got)
+	}
 	decide(4)
 	step("closed: every decision reaches the store", 9, false)
 }
