@@ -74,10 +74,16 @@ mem_pid=$!
 	2>"$work/logs/enf-redis.log" &
 pids+=($!)
 redis_enf_pid=$!
+# running what pids...: stops the run when a server exited at its start (a port taken).
+running() {
+	local what=$1 p
+	shift
+	for p in "$@"; do
+		kill -0 "$p" 2>/dev/null || { echo "bench/proxy.sh: $what did not start: is one of its ports taken?" >&2; exit 1; }
+	done
+}
 sleep 1
-for p in $redis_pid $mem_pid $redis_enf_pid; do
-	kill -0 "$p" 2>/dev/null || { echo "bench/proxy.sh: Redis or an enforcer did not start (logs in $work/logs): is one of ports $UP-$REDIS taken?" >&2; exit 1; }
-done
+running "Redis or an enforcer (ports $UP-$REDIS)" $redis_pid $mem_pid $redis_enf_pid
 nginx_pids=$(pgrep -P "$(cat "$work/nginx.pid")" | xargs)
 
 rate() { awk '/Requests\/sec/ {print $2}'; }
@@ -121,9 +127,7 @@ proxy_redis_pid=$!
 pids+=($!)
 check_redis_pid=$!
 sleep 0.5
-for p in $fast_pid $proxy_redis_pid $check_redis_pid; do
-	kill -0 "$p" 2>/dev/null || { echo "bench/proxy.sh: a ceiling did not start: is one of ports $CEIL_FAST-$CEIL_CHECK_REDIS taken?" >&2; exit 1; }
-done
+running "a ceiling (ports $CEIL_FAST-$CEIL_CHECK_REDIS)" $fast_pid $proxy_redis_pid $check_redis_pid
 
 cat >"$work/random-client.lua" <<'LUA'
 -- Each request describes a request of one of 10,000 clients, drawn at random.
