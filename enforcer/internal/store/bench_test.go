@@ -179,8 +179,10 @@ func BenchmarkRedisPipelining(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.Cleanup(func() { _ = s.Close() })
+			// The library loads in the background: the store decides by EVALSHA until it has,
+			// and this benchmark measures FCALL.
 			for !s.Functions() {
-				time.Sleep(time.Millisecond)
+				time.Sleep(time.Millisecond) // a load's round trip to Redis
 			}
 			return func(n int64) error {
 				checks := []store.Check{{Limit: kinds[0], Cost: 1, Enforce: true, Tag: store.Tag("bench/pipelining", strconv.FormatInt(n%100_000, 10)), Rule: "r"}}
