@@ -710,15 +710,16 @@ func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algori
 	if l.breaker == nil {
 		return l.store.Decide(ctx, checks, out)
 	}
-	if err := l.breaker.allow(); err != nil {
+	t, err := l.breaker.allow()
+	if err != nil {
 		return false, err
 	}
 	charged, err := l.store.Decide(ctx, checks, out)
 	if err != nil && cancelled(ctx, err) {
-		l.breaker.abandon()
+		l.breaker.abandon(t)
 		return charged, err
 	}
-	l.breaker.done(err)
+	l.breaker.done(t, err)
 	return charged, err
 }
 
