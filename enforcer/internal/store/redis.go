@@ -105,6 +105,10 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		// reply the slot map reloads, and the next decision goes to the right node.
 		MaxRetries:   -1,
 		MaxRedirects: -1,
+		// One dial per new connection: go-redis's five, 100 ms apart, outlast a decision's
+		// timeout, which then fails with its deadline rather than the refused connection or
+		// unknown host that names the cause. The next decision dials again.
+		DialerRetries: 1,
 	}
 	var client redis.UniversalClient
 	switch opts.Mode {

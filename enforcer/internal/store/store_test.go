@@ -6,11 +6,13 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -451,6 +453,26 @@ func TestRedisWhenDecisionTimesOutThenItIsNotReplayed(t *testing.T) {
 	}
 	if out[0].Remaining != 998 {
 		t.Errorf("remaining = %d after one decision and one timed-out decision, want 998: charged twice, no replay", out[0].Remaining)
+	}
+}
+
+// Where nothing listens, a decision fails with the refused connection, which names the cause
+// (in the breaker's log line and the Degraded condition), within the store's timeout. go-redis
+// dials five times, 100 ms apart, by default: a timeout under half a second ran out first, and
+// every decision failed with the deadline instead, as a Redis that answers too slowly does.
+func TestRedisWhenNothingListensThenADecisionFailsWithTheRefusedConnection(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	s := newRedis(t, store.RedisOptions{Addrs: []string{addr}, Timeout: 200 * time.Millisecond}, nil)
+	checks := []store.Check{{Limit: algorithm.Limit{Kind: algorithm.FixedWindow, Limit: 10, Period: time.Hour}, Cost: 1, Enforce: true, Tag: uniqueTag(t), Rule: "r"}}
+	for i := range 3 {
+		if _, err := s.Decide(context.Background(), checks, make([]algorithm.Decision, 1)); !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Fatalf("decision %d against %s, where nothing listens: %v; want the refused connection", i, addr, err)
+		}
 	}
 }
 
