@@ -79,18 +79,41 @@ func (b *breaker) allow() (ticket, error) {
 // done records the outcome of an allowed decision.
 func (b *breaker) done(t ticket, err error) {
 	change, skipping := b.record(t, err)
-	if change == 0 || b.told == nil {
-		return
-	}
 	if !skipping {
 		err = nil // a fault that counted as a success is not why the breaker closed
 	}
+	b.tell(change, skipping, err)
+}
+
+// tell tells told of a change (0: none), unless a later change was told first.
+func (b *breaker) tell(change uint64, skipping bool, err error) {
+	if change == 0 || b.told == nil {
+		return
+	}
 	b.tellMu.Lock()
 	defer b.tellMu.Unlock()
-	if change > b.toldChanges { // a later change told first makes this one stale
+	if change > b.toldChanges {
 		b.toldChanges = change
 		b.told(skipping, err)
 	}
+}
+
+// answered closes a breaker whose open time has passed when the store answered in a decision's
+// time otherwise (the enforcer's health ping), as a probe would have: with no request to probe,
+// an idle enforcer's breaker would stay open, and alert, for as long as nobody sends one. A
+// probe in flight decides instead.
+func (b *breaker) answered() {
+	b.mu.Lock()
+	if b.state != breakerOpen || b.now().Before(b.until) {
+		b.mu.Unlock()
+		return
+	}
+	b.state, b.consecutive = breakerClosed, 0
+	b.changed(false)
+	b.changes++
+	change := b.changes
+	b.mu.Unlock()
+	b.tell(change, false, nil)
 }
 
 // record is done's part under the lock: it returns the change the outcome made (its number in

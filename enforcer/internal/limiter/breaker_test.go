@@ -158,3 +158,71 @@ func TestLimiterWhenTheBreakerReopensWhileItsClosingIsLoggedThenTheLinesKeepThei
 		t.Fatalf("logged %v, breaker open %v; want opened, closed, opened, and open", got, l.BreakerOpen())
 	}
 }
+
+// panickingStore panics while panics is set, and admits otherwise.
+type panickingStore struct {
+	stallingStore
+	panics atomic.Bool
+}
+
+func (s *panickingStore) Decide(ctx context.Context, checks []store.Check, out []algorithm.Decision) (bool, error) {
+	if s.panics.Load() {
+		s.calls.Add(1)
+		panic("the store's bug")
+	}
+	return s.stallingStore.Decide(ctx, checks, out)
+}
+
+// A probe whose store call panics (the front end answers it 500 and serves on) passes its turn to
+// the next decision: the breaker was left probing, refusing every decision without asking the
+// store, until the process restarted.
+func TestLimiterWhenTheProbePanicsThenTheNextDecisionProbes(t *testing.T) {
+	s := &panickingStore{}
+	s.fail(errors.New("dial tcp: connection refused"))
+	clk := newClock()
+	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now})
+	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	decide := func() limiter.Result { return l.Decide(context.Background(), request("/open", "192.0.2.1")) }
+	for range 3 {
+		decide()
+	}
+	clk.Step(time.Second)
+	s.panics.Store(true)
+	func() {
+		defer func() { _ = recover() }()
+		decide()
+		t.Fatal("the probe's store call did not panic")
+	}()
+	s.panics.Store(false)
+	s.heal()
+	if res := decide(); res.Outcome != limiter.Allowed || l.BreakerOpen() || s.calls.Load() != 5 {
+		t.Fatalf("the decision after the panicking probe: %v, breaker open %v, %d store calls; want it to probe, pass and close the breaker",
+			res.Outcome, l.BreakerOpen(), s.calls.Load())
+	}
+}
+
+// With no request to probe, the store answering the enforcer's health ping closes the breaker once
+// its open time has passed, and logs it: an idle enforcer's breaker stayed open, and its alert
+// fired, for as long as nobody sent a request. A ping before the open time has passed does not.
+func TestLimiterWhenTheStoreAnswersAHealthPingThenAnOpenBreakerCloses(t *testing.T) {
+	s := &stallingStore{}
+	s.fail(errors.New("dial tcp: connection refused"))
+	clk := newClock()
+	lines := &breakerLines{}
+	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now, Log: lines.logger()})
+	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	for range 3 {
+		l.Decide(context.Background(), request("/open", "192.0.2.1"))
+	}
+	s.heal()
+	l.StoreAnswered()
+	if !l.BreakerOpen() {
+		t.Fatal("a ping within the open time closed the breaker")
+	}
+	clk.Step(time.Second)
+	l.StoreAnswered()
+	if got := lines.get(); l.BreakerOpen() || !slices.Equal(got, []string{"opened", "closed"}) || s.calls.Load() != 3 {
+		t.Fatalf("after a ping once the open time passed: breaker open %v, logged %v, %d store calls; want it closed without a probe",
+			l.BreakerOpen(), got, s.calls.Load())
+	}
+}

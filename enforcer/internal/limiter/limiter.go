@@ -279,6 +279,15 @@ func (l *Limiter) BreakerOpen() bool {
 	return l.breaker != nil && l.breaker.skipping()
 }
 
+// StoreAnswered tells the limiter that its store answered within a decision's time, outside any
+// decision (the enforcer's health ping): a breaker whose open time has passed closes, as after a
+// successful probe, where no request came to probe.
+func (l *Limiter) StoreAnswered() {
+	if l.breaker != nil {
+		l.breaker.answered()
+	}
+}
+
 // Counters are the decisions of each rule since the limiter was created.
 func (l *Limiter) Counters() map[RuleKey]report.Counters { return l.metrics.Counters() }
 
@@ -714,7 +723,16 @@ func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algori
 	if err != nil {
 		return false, err
 	}
+	settled := false
+	defer func() {
+		if !settled {
+			// The store panicked (the front end answers 500): a probe's turn passes to the
+			// next decision rather than leaving the breaker probing for ever.
+			l.breaker.abandon(t)
+		}
+	}()
 	charged, err := l.store.Decide(ctx, checks, out)
+	settled = true
 	if err != nil && cancelled(ctx, err) {
 		l.breaker.abandon(t)
 		return charged, err
