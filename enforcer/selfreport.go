@@ -43,6 +43,9 @@ func (e *Enforcer) checkedStore(err error) {
 	if err != nil {
 		h.Cause, h.Message = storeCause(err), err.Error()
 	}
+	if err == nil {
+		e.limiter.StoreAnswered()
+	}
 	prev := e.health.Load()
 	switch {
 	case prev != nil && prev.Connected == h.Connected:

@@ -208,6 +208,27 @@ func checkFailover(t *testing.T, e *enforcerProcess, before, during, after strin
 		took.Round(10*time.Millisecond), meanwhile, again, again-40)
 }
 
+// An enforcer that nobody sends a request to after its breaker opened closes it once Redis
+// answers its health ping: the breaker waited for a request to probe, and the alert on it
+// (SluiceStoreBreakerOpen) paged for an idle enforcer while Redis answered every ping.
+func TestEnforcerBinaryWhenRedisComesBackWithoutTrafficThenTheBreakerCloses(t *testing.T) {
+	srv := redistest.NewServer(t)
+	e := startEnforcer(t, "--redis-url=redis://"+srv.Addr()+"/0")
+	if got := e.send("idle", 1, 1); got[http.StatusOK] != 1 {
+		t.Fatalf("a request while Redis answers: %v", got)
+	}
+	srv.Pause()
+	got := e.send("idle", 3, 1)
+	srv.Resume()
+	if got[http.StatusServiceUnavailable] != 3 || adminMetric(t, e.admin, "sluice_store_breaker_open") != 1 {
+		t.Fatalf("three requests while Redis was stopped: %v, breaker open %v; want three fail-closed answers opening it",
+			got, adminMetric(t, e.admin, "sluice_store_breaker_open"))
+	}
+	waitUntil(t, "the breaker closed with no request sent", func() bool {
+		return adminMetric(t, e.admin, "sluice_store_breaker_open") == 0
+	})
+}
+
 // Kill a Sentinel-watched master under traffic: the enforcer follows the promoted replica within
 // seconds, fail-closed rules answer 503 meanwhile, and the limit is exact again after the switch.
 func TestEnforcerBinaryWhenTheSentinelMasterIsKilledThenItFollowsThePromotedReplica(t *testing.T) {

@@ -107,7 +107,13 @@ func (h *hostile) alive(t *testing.T) {
 
 func (h *hostile) metric(t *testing.T, series string) float64 {
 	t.Helper()
-	resp, err := http.Get("http://" + h.admin + "/metrics")
+	return adminMetric(t, h.admin, series)
+}
+
+// adminMetric reads one series from an enforcer's admin address (0 when absent).
+func adminMetric(t *testing.T, admin, series string) float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + admin + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
