@@ -13,6 +13,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
@@ -83,6 +84,17 @@ func (b *breakerLines) get() []string {
 	return slices.Clone(b.lines)
 }
 
+// breakerLimiter is a limiter on s whose breaker opens after 3 failures for a second of the
+// clock it returns, logging to the lines it returns.
+func breakerLimiter(t *testing.T, s store.Store) (*limiter.Limiter, *clocktesting.FakeClock, *breakerLines) {
+	t.Helper()
+	clk := newClock()
+	lines := &breakerLines{}
+	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now, Log: lines.logger()})
+	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	return l, clk, lines
+}
+
 // When the store stalls, every decision in flight fails in turn once its deadline passes: one
 // outage opens the breaker once and logs it once, and only the probe a second later decides
 // whether it closes. Before, every third late failure opened it again, logged again and pushed
@@ -91,10 +103,7 @@ func TestLimiterWhenDecisionsInFlightFailAfterTheBreakerOpensThenItOpensOnceAndO
 	const inFlight = 30
 	s := &stallingStore{release: make(chan struct{})}
 	s.fail(context.DeadlineExceeded)
-	clk := newClock()
-	lines := &breakerLines{}
-	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now, Log: lines.logger()})
-	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	l, clk, lines := breakerLimiter(t, s)
 	var wg sync.WaitGroup
 	for i := range inFlight {
 		wg.Go(func() { l.Decide(context.Background(), request("/open", fmt.Sprintf("192.0.2.%d", i+1))) })
@@ -124,10 +133,7 @@ func TestLimiterWhenDecisionsInFlightFailAfterTheBreakerOpensThenItOpensOnceAndO
 func TestLimiterWhenTheBreakerReopensWhileItsClosingIsLoggedThenTheLinesKeepTheirOrder(t *testing.T) {
 	s := &stallingStore{}
 	s.fail(errors.New("dial tcp: connection refused"))
-	clk := newClock()
-	lines := &breakerLines{}
-	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now, Log: lines.logger()})
-	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	l, clk, lines := breakerLimiter(t, s)
 	decide := func() { l.Decide(context.Background(), request("/open", "192.0.2.1")) }
 	for range 3 {
 		decide()
@@ -179,9 +185,7 @@ func (s *panickingStore) Decide(ctx context.Context, checks []store.Check, out [
 func TestLimiterWhenTheProbePanicsThenTheNextDecisionProbes(t *testing.T) {
 	s := &panickingStore{}
 	s.fail(errors.New("dial tcp: connection refused"))
-	clk := newClock()
-	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now})
-	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	l, clk, _ := breakerLimiter(t, s)
 	decide := func() limiter.Result { return l.Decide(context.Background(), request("/open", "192.0.2.1")) }
 	for range 3 {
 		decide()
@@ -207,10 +211,7 @@ func TestLimiterWhenTheProbePanicsThenTheNextDecisionProbes(t *testing.T) {
 func TestLimiterWhenTheStoreAnswersAHealthPingThenAnOpenBreakerCloses(t *testing.T) {
 	s := &stallingStore{}
 	s.fail(errors.New("dial tcp: connection refused"))
-	clk := newClock()
-	lines := &breakerLines{}
-	l := limiter.New(limiter.Options{Store: s, BreakerFailures: 3, BreakerOpen: time.Second, Now: clk.Now, Log: lines.logger()})
-	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	l, clk, lines := breakerLimiter(t, s)
 	for range 3 {
 		l.Decide(context.Background(), request("/open", "192.0.2.1"))
 	}
