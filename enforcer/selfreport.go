@@ -42,9 +42,8 @@ func (e *Enforcer) checkedStore(err error) {
 	h := report.Store{Kind: storeName(e.cfg), Connected: err == nil, Since: e.now()}
 	if err != nil {
 		h.Cause, h.Message = storeCause(err), err.Error()
-	}
-	if err == nil {
-		e.limiter.StoreAnswered()
+	} else {
+		e.limiter.StoreAnswered() // where no request comes to probe, the ping closes the breaker
 	}
 	prev := e.health.Load()
 	switch {

@@ -26,8 +26,8 @@ type breaker struct {
 	now      func() time.Time
 	// changed is told whether the breaker now skips the store (open or probing) or not, under
 	// its lock, so that it sees the changes in order. told is told the same once the lock is
-	// released, with the failure that opened the breaker (nil when a probe closed it), unless a
-	// later change was told first. Neither hears of a failed probe opening it again.
+	// released, with the failure that opened the breaker (nil when it closed), unless a later
+	// change was told first. Neither hears of a failed probe opening it again.
 	changed func(skipping bool)
 	told    func(skipping bool, err error)
 

@@ -198,12 +198,13 @@ func New(opts Options) *Limiter {
 			opts.Metrics.breakerOpen.Set(map[bool]float64{true: 1, false: 0}[skipping])
 		}, told: func(skipping bool, err error) {
 			// One line when the breaker opens, naming the failure that opened it, and one when
-			// a probe closes it; a failed probe, once a second while Redis is down, logs nothing.
+			// a probe or a health ping closes it; a failed probe, once a second while Redis is
+			// down, logs nothing.
 			if skipping {
-				l.log.Error(err, "The store circuit breaker opened: decisions failed in a row, and rules apply their failure modes without asking the store until a probe succeeds",
+				l.log.Error(err, "The store circuit breaker opened: decisions failed in a row, and rules apply their failure modes without asking the store until it answers again",
 					"failures", opts.BreakerFailures, "probeAfter", opts.BreakerOpen.String())
 			} else {
-				l.log.Info("The store circuit breaker closed: a probe succeeded, and decisions reach the store again")
+				l.log.Info("The store circuit breaker closed: the store answered, and decisions reach it again")
 			}
 		}}
 	}
