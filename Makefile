@@ -10,6 +10,7 @@ TOOL := go tool -modfile=hack/tools/go.mod
 CONTROLLER_GEN := $(TOOL) controller-gen
 GOLANGCI_LINT := $(TOOL) golangci-lint
 KUSTOMIZE := $(TOOL) kustomize
+CRD_REF_DOCS := $(TOOL) crd-ref-docs
 
 IMG ?= ghcr.io/sluice-dev/sluice-manager:latest
 # What --version and sluice_build_info report of the binaries and images built here.
@@ -45,6 +46,11 @@ manifests: ## Generate the CRD, RBAC and webhook manifests from markers.
 	cp config/webhook/manifests.yaml charts/sluice/files/webhook.yaml
 	cp config/prometheus/prometheusrule.yaml config/grafana/sluice.json charts/sluice/files/
 
+.PHONY: docs
+docs: ## Generate the API reference, docs/api.md, from the API's Go comments.
+	$(CRD_REF_DOCS) --source-path=./api --config=docs/crd-ref-docs.yaml --renderer=markdown \
+		--output-path=docs/api.md --log-level=WARN
+
 .PHONY: fmt
 fmt: ## Format the Go code.
 	go fmt ./...
@@ -58,14 +64,14 @@ lint: ## Lint the Go code with the pinned golangci-lint.
 	$(GOLANGCI_LINT) run ./...
 
 .PHONY: verify
-verify: generate manifests ## Regenerate everything, fail if anything generated drifted, go.mod is untidy or a kustomization is broken.
+verify: generate manifests docs ## Regenerate everything, fail if anything generated drifted, go.mod is untidy or a kustomization is broken.
 	@for overlay in config/default config/cert-manager config/prometheus; do \
 		$(KUSTOMIZE) build $$overlay >/dev/null || { echo "kustomize build $$overlay failed"; exit 1; }; \
 	done
-	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook charts/sluice/files); \
+	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook charts/sluice/files docs/api.md); \
 	if [[ -n "$$drift" ]]; then \
-		echo "Generated files are out of date; run 'make generate manifests' and commit:"; \
-		echo "$$drift"; git --no-pager diff --stat -- api config; exit 1; \
+		echo "Generated files are out of date; run 'make generate manifests docs' and commit:"; \
+		echo "$$drift"; git --no-pager diff --stat -- api config docs/api.md; exit 1; \
 	fi
 	@go mod tidy -diff >/dev/null || { echo "go.mod or go.sum is not tidy; run 'go mod tidy' and commit:"; go mod tidy -diff; exit 1; }
 

@@ -22,6 +22,32 @@ import (
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
+// renewalRound waits until the n requests that p holds under a concurrency rule have renewed
+// their leases, all within half a second (a round: they renew together, once a second), and
+// returns a time before every renewal of that round. Kill p at once, and their last renewals
+// are that round's.
+func renewalRound(t *testing.T, p *proc, n float64) time.Time {
+	t.Helper()
+	type count struct {
+		at      time.Time // when the scrape was sent
+		renewed float64
+	}
+	var seen []count
+	var before time.Time
+	poll.WaitFor(t, 15*time.Second, func() error {
+		c := count{time.Now(), scrape(p.admin, `sluice_lease_renewals_total{result="renewed"}`)}
+		seen = append(seen, c)
+		for i := len(seen) - 1; i >= 0 && c.at.Sub(seen[i].at) < 500*time.Millisecond; i-- {
+			if c.renewed-seen[i].renewed >= n {
+				before = seen[i].at // the latest scrape that counted none of the round
+				return nil
+			}
+		}
+		return fmt.Errorf("no round of %v renewals: %v renewed", n, c.renewed)
+	})
+	return before
+}
+
 // proc is an enforcer binary started by startProc.
 type proc struct {
 	proxy, admin string
@@ -325,25 +351,44 @@ func TestEnforcerBinariesWhenTwoHundredClientsHoldSlowRequestsThenTenAreInFlight
 				}
 				return nil
 			})
+			// The kill comes right after a round of renewals: every lease ends 3 s after its last
+			// renewal, which Redis's TIME took between renewedAfter and the kill.
+			renewedAfter := renewalRound(t, ps[0], 10)
 			if err := ps[0].p.Signal(syscall.SIGKILL); err != nil {
 				t.Fatal(err)
 			}
 			killed := time.Now()
 			collect(t, statuses, 10)
-			if s := probe(ps[1], "k"); s != http.StatusTooManyRequests {
-				t.Errorf("just after the kill: %d, want 429: the dead enforcer's leases are still held", s)
-			}
+			// A probe refused was decided while the ten slots were held, so it started before a
+			// lease ended; one admitted was decided after one ended, so it ended after that. Both
+			// against the same clock as Redis's TIME: no slack for the probe's pace or its time.
+			var lastRefused, firstAdmitted time.Time
 			poll.WaitFor(t, 15*time.Second, func() error {
-				if s := probe(ps[1], "k"); s != http.StatusOK {
+				sent := time.Now()
+				switch s := probe(ps[1], "k"); s {
+				case http.StatusTooManyRequests:
+					lastRefused = sent
+					return fmt.Errorf("%v after the kill: %d", time.Since(killed), s)
+				case http.StatusOK:
+					firstAdmitted = time.Now()
+					return nil
+				default:
 					return fmt.Errorf("%v after the kill: %d", time.Since(killed), s)
 				}
-				return nil
 			})
-			// Renewed before the kill, a lease ends at most 3s after it; a probe every 100 ms, and
-			// its own time on two busy cores, are the second of slack.
-			t.Logf("the killed enforcer's slots were freed %v after the kill", time.Since(killed))
-			if took := time.Since(killed); took > 4*time.Second {
-				t.Errorf("the slots were freed %v after the kill, want within the lease timeout (3s)", took)
+			const lease = 3 * time.Second
+			t.Logf("the killed enforcer's slots were freed %v to %v after the kill (%v after the renewals)",
+				lastRefused.Sub(killed), firstAdmitted.Sub(killed), firstAdmitted.Sub(renewedAfter))
+			if lastRefused.IsZero() {
+				t.Error("no probe after the kill was refused: the dead enforcer's leases were not held")
+			}
+			if !lastRefused.Before(killed.Add(lease)) {
+				t.Errorf("a probe sent %v after the kill was refused: a lease outlived its timeout (%v) after its last renewal", lastRefused.Sub(killed), lease)
+			}
+			// The renewal's answer reaches the counter after Redis took its TIME: a quarter of the
+			// renewal interval (1 s) is the most it may lag on two loaded cores.
+			if margin := 250 * time.Millisecond; !firstAdmitted.After(renewedAfter.Add(lease - margin)) {
+				t.Errorf("a probe answered %v after the last renewals was admitted: a lease ended before its timeout (%v)", firstAdmitted.Sub(renewedAfter), lease)
 			}
 		})
 	}

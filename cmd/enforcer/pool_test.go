@@ -33,6 +33,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/report"
 	"github.com/sluice-dev/sluice/internal/test/local"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/internal/test/tier"
@@ -224,19 +225,17 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 		send := func(addr, client string) int {
 			t.Helper()
 			status := 0
-			if !eventually(10*time.Second, func() bool {
+			poll.WaitFor(t, 10*time.Second, func() error {
 				req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/orders", nil)
 				req.Header.Set("X-Client", client)
 				resp, err := http.DefaultClient.Do(req)
 				if err != nil {
-					return false
+					return fmt.Errorf("nginx at %s does not answer: %w", addr, err)
 				}
 				_ = resp.Body.Close()
 				status = resp.StatusCode
-				return true
-			}) {
-				t.Fatalf("nginx at %s does not answer", addr)
-			}
+				return nil
+			})
 			return status
 		}
 		var got []int
@@ -403,9 +402,12 @@ func TestEnforcerBinaryWhenItServesAPoolThenEachPolicyIsServedAndRefusedApart(t 
 	waitReport := func(what string, ok func(report.Report) bool) report.Report {
 		t.Helper()
 		var r report.Report
-		if !eventually(10*time.Second, func() bool { r = readReport(t, admin); return ok(r) }) {
-			t.Fatalf("%s: not within 10s: served %v, refused %+v", what, served(r), r.Refused)
-		}
+		poll.WaitFor(t, 10*time.Second, func() error {
+			if r = readReport(t, admin); !ok(r) {
+				return fmt.Errorf("%s: served %v, refused %+v", what, served(r), r.Refused)
+			}
+			return nil
+		})
 		return r
 	}
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -163,8 +164,13 @@ func testShutdown(t *testing.T, storeFlags []string) {
 		t.Fatal(err)
 	}
 	signalled := time.Now()
-	if !eventually(2*time.Second, func() bool { return status(client, "http://"+admin+"/readyz") == http.StatusServiceUnavailable }) {
-		t.Error("/readyz still answers 200 after SIGTERM")
+	if err := poll.Until(2*time.Second, func() error {
+		if s := status(client, "http://"+admin+"/readyz"); s != http.StatusServiceUnavailable {
+			return fmt.Errorf("/readyz answers %d after SIGTERM, want 503", s)
+		}
+		return nil
+	}); err != nil {
+		t.Error(err)
 	}
 	// During the delay the listeners still accept: endpoints may not have dropped the pod yet.
 	if time.Since(signalled) < 500*time.Millisecond {
@@ -173,14 +179,15 @@ func testShutdown(t *testing.T, storeFlags []string) {
 		}
 	}
 	// After the delay the proxy refuses new connections while the drain goes on.
-	if !eventually(5*time.Second, func() bool {
+	if err := poll.Until(5*time.Second, func() error {
 		c, err := net.DialTimeout("tcp", proxy, time.Second)
-		if err == nil {
-			_ = c.Close()
+		if err != nil {
+			return nil // refused: what is waited for
 		}
-		return err != nil
-	}) {
-		t.Error("the proxy still accepts connections 5 s after the shutdown delay")
+		_ = c.Close()
+		return errors.New("the proxy still accepts connections after the shutdown delay")
+	}); err != nil {
+		t.Error(err)
 	}
 	release()
 
@@ -215,21 +222,15 @@ func status(c *http.Client, u string) int {
 	return resp.StatusCode
 }
 
-// eventually polls cond until it holds or timeout passes.
-func eventually(timeout time.Duration, cond func() bool) bool {
-	return poll.Until(timeout, poll.True("", cond)) == nil
-}
-
 // waitMetric waits until the admin server's /metrics shows series at want.
 func waitMetric(t *testing.T, admin, series string, want float64) {
 	t.Helper()
-	var got float64
-	if !eventually(10*time.Second, func() bool {
-		got = scrape(admin, series)
-		return got == want
-	}) {
-		t.Fatalf("%s = %v, want %v", series, got, want)
-	}
+	poll.WaitFor(t, 10*time.Second, func() error {
+		if got := scrape(admin, series); got != want {
+			return fmt.Errorf("%s = %v, want %v", series, got, want)
+		}
+		return nil
+	})
 }
 
 func scrape(admin, series string) float64 {

@@ -1,5 +1,5 @@
 -- Argo CD health check of ratelimit.sluice.dev/RateLimitPolicy, for the argocd-cm key
--- resource.customizations.health.ratelimit.sluice.dev_RateLimitPolicy (README: "Argo CD").
+-- resource.customizations.health.ratelimit.sluice.dev_RateLimitPolicy (docs/operations.md: "Argo CD").
 -- It reads the conditions the Sluice controller writes, as kstatus (and so Flux) does:
 -- Stalled -> Degraded, Degraded -> Degraded, Ready -> Healthy, otherwise Progressing.
 local hs = { status = "Progressing", message = "Waiting for the Sluice controller" }

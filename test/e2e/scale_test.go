@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -225,30 +224,28 @@ func countWrites(t testing.TB, k8s client.WithWatch, d time.Duration) map[string
 func quietFor(t testing.TB, k8s client.WithWatch, timeout time.Duration) {
 	t.Helper()
 	const quiet = 30 * time.Second
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
+	poll.WaitFor(t, timeout, func() error {
 		var list v1alpha1.RateLimitPolicyList
 		if err := k8s.List(context.Background(), &list); err != nil {
-			t.Fatal(err)
+			return err
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), quiet)
+		defer cancel()
 		w, err := k8s.Watch(ctx, &v1alpha1.RateLimitPolicyList{}, &client.ListOptions{Raw: &metav1.ListOptions{ResourceVersion: list.ResourceVersion}})
 		if err != nil {
-			cancel()
-			t.Fatal(err)
+			return err
 		}
-		var n atomic.Int64
+		n := 0
 		for ev := range w.ResultChan() {
 			if ev.Type != watch.Bookmark {
-				n.Add(1)
+				n++
 			}
 		}
-		cancel()
-		if n.Load() == 0 {
-			return
+		if n > 0 {
+			return fmt.Errorf("policies still written: %d writes in %v", n, quiet)
 		}
-	}
-	t.Fatalf("policies still written after %v", timeout)
+		return nil
+	})
 }
 
 // scrapeSum adds up the samples of the manager's metrics whose line starts with prefix.

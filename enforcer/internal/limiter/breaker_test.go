@@ -18,6 +18,7 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 )
 
 // stallingStore holds each decision until release closes (when set), then answers err (when set)
@@ -108,9 +109,7 @@ func TestLimiterWhenDecisionsInFlightFailAfterTheBreakerOpensThenItOpensOnceAndO
 	for i := range inFlight {
 		wg.Go(func() { l.Decide(context.Background(), request("/open", fmt.Sprintf("192.0.2.%d", i+1))) })
 	}
-	for s.calls.Load() < inFlight {
-		time.Sleep(time.Millisecond) // the goroutines above reaching the store
-	}
+	poll.WaitFor(t, 10*time.Second, poll.True("the decisions reaching the store", func() bool { return s.calls.Load() >= inFlight }))
 	close(s.release)
 	wg.Wait()
 	if got := lines.get(); !slices.Equal(got, []string{"opened"}) || !l.BreakerOpen() {
@@ -143,9 +142,7 @@ func TestLimiterWhenTheBreakerReopensWhileItsClosingIsLoggedThenTheLinesKeepThei
 	lines.hold = make(chan struct{})
 	probed := make(chan struct{})
 	go func() { defer close(probed); decide() }() // the probe closes the breaker; its line waits
-	for l.BreakerOpen() {
-		time.Sleep(time.Millisecond) // the probe reaching the store
-	}
+	poll.WaitFor(t, 10*time.Second, poll.True("the probe closing the breaker", func() bool { return !l.BreakerOpen() }))
 	s.fail(errors.New("dial tcp: connection refused"))
 	reopened := make(chan struct{})
 	go func() {
@@ -154,9 +151,7 @@ func TestLimiterWhenTheBreakerReopensWhileItsClosingIsLoggedThenTheLinesKeepThei
 			decide()
 		}
 	}()
-	for s.calls.Load() < 3+1+3 {
-		time.Sleep(time.Millisecond) // the three failures reaching the store
-	}
+	poll.WaitFor(t, 10*time.Second, poll.True("the three failures reaching the store", func() bool { return s.calls.Load() >= 3+1+3 }))
 	close(lines.hold)
 	<-probed
 	<-reopened

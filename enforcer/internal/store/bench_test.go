@@ -20,6 +20,7 @@ import (
 
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
+	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/redistest"
 )
 
@@ -181,9 +182,7 @@ func BenchmarkRedisPipelining(b *testing.B) {
 			b.Cleanup(func() { _ = s.Close() })
 			// The library loads in the background: the store decides by EVALSHA until it has,
 			// and this benchmark measures FCALL.
-			for !s.Functions() {
-				time.Sleep(time.Millisecond) // a load's round trip to Redis
-			}
+			poll.WaitFor(b, 10*time.Second, poll.True("the library loaded", s.Functions))
 			return func(n int64) error {
 				checks := []store.Check{{Limit: kinds[0], Cost: 1, Enforce: true, Tag: store.Tag("bench/pipelining", strconv.FormatInt(n%100_000, 10)), Rule: "r"}}
 				out := make([]algorithm.Decision, 1)
