@@ -32,6 +32,7 @@ import (
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/test/local"
@@ -284,7 +285,8 @@ func TestChartWhenAValueIsWrongThenHelmRefusesItNamingTheValue(t *testing.T) {
 		{[]string{"--set", "manager.extraArgs[0]=kube-api-qps=100"}, "/manager/extraArgs/0"},
 		{[]string{"--set-json", "prometheusRule.refusedShareThreshold=2"}, "/prometheusRule/refusedShareThreshold"},
 		{[]string{"--set", "webhook.certManager.issuerRef.kind=Vault"}, "/webhook/certManager/issuerRef/kind"},
-		{[]string{"--set", "enforcer.image="}, "/enforcer/image"},
+		{[]string{"--set", "enforcer.image.repository="}, "/enforcer/image/repository"},
+		{[]string{"--set", "enforcer.image=registry.example/sluice-enforcer:v1"}, "/enforcer/image"},
 		{[]string{"--set", "enforcer.networkPolicy.checkNamespaces={Traefik}"}, "/enforcer/networkPolicy/checkNamespaces/0"},
 		{[]string{"--set", "enforcer.networkPolicy.monitoringNamespaces={" + strings.Repeat("a", 64) + "}"}, "/enforcer/networkPolicy/monitoringNamespaces/0"},
 		{[]string{"--set", "enforcer.networkPolicy.proxyNamespaces={edge,edge}"}, "/enforcer/networkPolicy/proxyNamespaces"},
@@ -437,11 +439,12 @@ func TestChartWhenInstalledUpgradedAndUninstalledThenTheCRDAndPoliciesStay(t *te
 	tier.Needs(t, "helm and the test control plane")
 	ctx := context.Background()
 	const release, ns = "sluice", "sluice-helm"
-	// README's install and upgrade commands, in a namespace of the test's own.
-	const managerImage, enforcerImage = "ghcr.io/sluice-dev/sluice-manager:v0.1.0", "registry.example/sluice-enforcer:v0.1.0"
+	// README's install and upgrade commands, in a namespace of the test's own: the manager's
+	// image tagged the chart's appVersion, the enforcer's from another registry.
+	managerImage, enforcerImage := "ghcr.io/sluice-dev/sluice-manager:"+chartAppVersion(t), "registry.example/sluice-enforcer:"+chartAppVersion(t)
 	removeCRDs(t)
 	installed, err := runHelm("install", release, "charts/sluice", "--namespace", ns, "--create-namespace",
-		"--set", "manager.image.tag=v0.1.0", "--set", "enforcer.image="+enforcerImage)
+		"--set", "enforcer.image.repository=registry.example/sluice-enforcer")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -750,4 +753,23 @@ func removeCRDs(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// chartAppVersion is the chart's appVersion, which tags the images it installs by default.
+func chartAppVersion(t *testing.T) string {
+	t.Helper()
+	var chart struct {
+		AppVersion string `json:"appVersion"`
+	}
+	data, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "charts", "sluice", "Chart.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.Unmarshal(data, &chart); err != nil {
+		t.Fatal(err)
+	}
+	if chart.AppVersion == "" || chart.AppVersion == "latest" {
+		t.Fatalf("Chart.yaml's appVersion %q: want the release the chart installs, which tags its images", chart.AppVersion)
+	}
+	return chart.AppVersion
 }

@@ -25,3 +25,9 @@ documents dropped.
 {{- end }}
 {{- toJson $docs }}
 {{- end }}
+
+{{/* An image of the values ({repository, tag}), tagged the chart's appVersion when tag is empty. */}}
+{{- define "sluice.image" -}}
+{{- $image := index . 0 }}
+{{- printf "%s:%s" $image.repository ($image.tag | default (index . 1)) }}
+{{- end }}
