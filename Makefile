@@ -12,12 +12,17 @@ GOLANGCI_LINT := $(TOOL) golangci-lint
 KUSTOMIZE := $(TOOL) kustomize
 CRD_REF_DOCS := $(TOOL) crd-ref-docs
 
-IMG ?= ghcr.io/sluice-dev/sluice-manager:latest
+# The release this checkout is: the chart's appVersion, the tag of both images, in the chart, in
+# dist/install.yaml and in the manager's default enforcer image alike (a test checks they agree).
+RELEASE := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' charts/sluice/Chart.yaml)
+IMG ?= ghcr.io/sluice-dev/sluice-manager:$(RELEASE)
 # What --version and sluice_build_info report of the binaries and images built here.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo unknown)
 COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 LDFLAGS := -X github.com/sluice-dev/sluice/internal/buildinfo.version=$(VERSION) -X github.com/sluice-dev/sluice/internal/buildinfo.commit=$(COMMIT)
-ENFORCER_IMG ?= ghcr.io/sluice-dev/sluice-enforcer:latest
+ENFORCER_IMG ?= ghcr.io/sluice-dev/sluice-enforcer:$(RELEASE)
+# The platforms of the released images (make docker-buildx).
+PLATFORMS ?= linux/amd64,linux/arm64
 
 ##@ General
 
@@ -63,14 +68,19 @@ vet: ## Vet the Go code.
 lint: ## Lint the Go code with the pinned golangci-lint.
 	$(GOLANGCI_LINT) run ./...
 
+.PHONY: build-installer
+build-installer: manifests ## Generate dist/install.yaml, what `kubectl apply -f` installs: config/default with the release's images.
+	@mkdir -p dist
+	$(KUSTOMIZE) build config/default > dist/install.yaml
+
 .PHONY: verify
-verify: generate manifests docs ## Regenerate everything, fail if anything generated drifted, go.mod is untidy or a kustomization is broken.
+verify: generate manifests docs build-installer ## Regenerate everything, fail if anything generated drifted, go.mod is untidy or a kustomization is broken.
 	@for overlay in config/default config/cert-manager config/prometheus; do \
 		$(KUSTOMIZE) build $$overlay >/dev/null || { echo "kustomize build $$overlay failed"; exit 1; }; \
 	done
-	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook charts/sluice/files docs/api.md); \
+	@drift=$$(git status --porcelain -- api config/crd config/rbac config/webhook charts/sluice/files docs/api.md dist); \
 	if [[ -n "$$drift" ]]; then \
-		echo "Generated files are out of date; run 'make generate manifests docs' and commit:"; \
+		echo "Generated files are out of date; run 'make generate manifests docs build-installer' and commit:"; \
 		echo "$$drift"; git --no-pager diff --stat -- api config docs/api.md; exit 1; \
 	fi
 	@go mod tidy -diff >/dev/null || { echo "go.mod or go.sum is not tidy; run 'go mod tidy' and commit:"; go mod tidy -diff; exit 1; }
@@ -145,6 +155,25 @@ docker-push: ## Push the images IMG and ENFORCER_IMG.
 	docker push $(IMG)
 	docker push $(ENFORCER_IMG)
 
+##@ Release (.github/workflows/release.yaml runs these for a tag; test/release runs them here)
+
+.PHONY: release-check
+release-check: ## Fail unless RELEASE_TAG (the pushed tag) is the chart's appVersion, which the images are tagged with.
+	@[[ "$(RELEASE_TAG)" == "$(RELEASE)" ]] || { echo "tag $(RELEASE_TAG) is not the chart's appVersion $(RELEASE): set appVersion in charts/sluice/Chart.yaml (and make build-installer) before tagging"; exit 1; }
+
+.PHONY: docker-buildx
+docker-buildx: ## Build and push IMG and ENFORCER_IMG for PLATFORMS with docker buildx.
+	docker buildx build --push --platform $(PLATFORMS) --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) --target manager -t $(IMG) .
+	docker buildx build --push --platform $(PLATFORMS) --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) --target enforcer -t $(ENFORCER_IMG) .
+
+# DIST is where chart-package writes the chart.
+DIST ?= dist
+
+.PHONY: chart-package
+chart-package: ## Package the chart into $(DIST)/sluice-<version>.tgz, which helm push sends to an OCI registry.
+	@mkdir -p $(DIST)
+	"$$(hack/tool.sh helm)" package charts/sluice --destination $(DIST)
+
 .PHONY: run
 run: ## Run the manager against the cluster of the current kubeconfig.
 	go run ./cmd/manager
@@ -160,8 +189,7 @@ OVERLAY ?= config/default
 
 .PHONY: deploy
 deploy: manifests ## Deploy the manager with images IMG and ENFORCER_IMG into the cluster of the current kubeconfig.
-	cd config/manager && $(KUSTOMIZE) edit set image controller=$(IMG)
-	$(KUSTOMIZE) build $(OVERLAY) | sed 's|ghcr.io/sluice-dev/sluice-enforcer:latest|$(ENFORCER_IMG)|' | kubectl apply --server-side -f -
+	$(KUSTOMIZE) build $(OVERLAY) | sed -e 's|ghcr.io/sluice-dev/sluice-manager:$(RELEASE)|$(IMG)|' -e 's|ghcr.io/sluice-dev/sluice-enforcer:$(RELEASE)|$(ENFORCER_IMG)|' | kubectl apply --server-side -f -
 
 .PHONY: undeploy
 undeploy: ## Remove what deploy installed (policies first, so their enforcers are collected).

@@ -59,7 +59,7 @@ func main() {
 	flag.DurationVar(&lease.duration, "leader-elect-lease-duration", 15*time.Second, "How long a replica waits, after the leader last renewed its lease, before it takes over.")
 	flag.DurationVar(&lease.renew, "leader-elect-renew-deadline", 10*time.Second, "How long the leader tries to renew its lease before it gives up leading.")
 	flag.DurationVar(&lease.retry, "leader-elect-retry-period", 2*time.Second, "How often replicas try to acquire or renew the lease.")
-	flag.StringVar(&defaults.EnforcerImage, "enforcer-image", "ghcr.io/sluice-dev/sluice-enforcer:latest", "Enforcer image of policies that do not set spec.enforcer.image.")
+	flag.StringVar(&defaults.EnforcerImage, "enforcer-image", "ghcr.io/sluice-dev/sluice-enforcer:"+buildinfo.Release, "Enforcer image of policies that do not set spec.enforcer.image.")
 	flag.StringVar(&defaults.RedisImage, "redis-image", "redis:7.4-alpine", "Redis image of policies with storage.managedRedis that do not set an image.")
 	flag.IntVar(&workers, "workers", 16, "Policies reconciled at once.")
 	// A thousand new policies are about 7,000 writes: at 50 a second, over two minutes before the

@@ -16,6 +16,11 @@ import (
 // Left empty, they come from what Go records in the binary (runtime/debug.ReadBuildInfo).
 var version, commit string
 
+// Release is the release this source is: the chart's appVersion, the tag of the images that
+// dist/install.yaml and the chart install, and so the tag of the enforcer image the manager runs
+// by default. A test holds the three together.
+const Release = "v0.1.0"
+
 // Unknown is the version or commit of a build that records neither.
 const Unknown = "unknown"
 
