@@ -35,6 +35,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/sluice-dev/sluice/internal/test/poll"
+	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
 // The cluster's addresses, inside the network namespace RunInNodeNetwork makes.
@@ -47,7 +48,7 @@ const (
 	// ServiceCIDR is where Services get their ClusterIPs.
 	ServiceCIDR = "10.96.0.0/16"
 	// NodeName is the node's name.
-	NodeName = "sluice-node"
+	NodeName = "node-0"
 	// Bridge is the bridge's interface.
 	Bridge  = "cni0"
 	apiPort = 6443
@@ -371,9 +372,11 @@ func (c *Cluster) Logs() string {
 	return b.String()
 }
 
-// Kubectl runs kubectl against the cluster as its administrator and returns its output.
+// Kubectl runs kubectl against the cluster as its administrator, in the repository's root, and
+// returns its output.
 func (c *Cluster) Kubectl(ctx context.Context, stdin io.Reader, args ...string) ([]byte, error) {
 	cmd := exec.CommandContext(ctx, filepath.Join(c.Bin, "kubectl"), append([]string{"--kubeconfig=" + c.Kubeconfig}, args...)...)
+	cmd.Dir = testenv.RepoRoot()
 	cmd.Stdin = stdin
 	var out, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &stderr
