@@ -427,7 +427,7 @@ func noticeable(old, cur *v1alpha1.RateLimitPolicyStatus) bool {
 	if old.Enforcer != nil {
 		o, c := old.Enforcer, cur.Enforcer
 		if o.ConfigRevision != c.ConfigRevision || o.ReadyReplicas != c.ReadyReplicas || o.Replicas != c.Replicas ||
-			o.Image != c.Image || o.Storage != c.Storage || o.ServiceName != c.ServiceName || o.Pool != c.Pool {
+			o.Image != c.Image || o.Storage != c.Storage || o.ServiceName != c.ServiceName || o.Pool != c.Pool || o.StoreHealth != c.StoreHealth {
 			return true
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -49,8 +50,9 @@ type progress struct {
 type replica struct {
 	pod string
 	uid types.UID
-	// ready is the pod's Ready condition.
+	// ready is the pod's Ready condition, and cause why it is not, in its status's own words.
 	ready bool
+	cause podCause
 	// report is what the enforcer reported, or err why it could not be read.
 	report *report.Report
 	err    error
@@ -74,7 +76,7 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 		h := obs.home
 		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: h.Name, Pool: h.ID, Replicas: h.Replicas, Image: h.Image,
 			ConfigRevision: obs.revision, ReadyReplicas: rd.serving, Ready: fmt.Sprintf("%d/%d", rd.serving, h.Replicas),
-			Storage: storageKind(h.Storage)}
+			Storage: storageKind(h.Storage), StoreHealth: storeHealth(obs.pods, obs.redisUnreachable)}
 	}
 	st.RuleNames = ruleNames(p.Spec.Rules)
 	st.Rules, st.Limited = ruleCounts(p, obs.counts)
@@ -97,8 +99,9 @@ func rejection(p *v1alpha1.RateLimitPolicy, v verdict) (string, string) {
 
 // setConditions sets the conditions of a policy or a pool from what its reconcile found: why its
 // spec is not accepted (rejection, "" when it is, and its words), its progress, what Programmed
-// says it applied, its readiness and whether it is degraded. It returns the Ready reason while
-// it is not Ready, for kubectl's REASON column.
+// says it applied, its readiness and whether it is degraded. It returns the reason kubectl's
+// REASON column shows: that of the first condition that fails, in the order Accepted,
+// Programmed, Ready, Degraded (True); "" when none does.
 func setConditions(set func(t string, ok bool, reason, msg string), rejection, msg string, pr progress, applied string,
 	rd readiness, degraded bool, why, text string) string {
 	accepted := rejection == ""
@@ -113,21 +116,34 @@ func setConditions(set func(t string, ok bool, reason, msg string), rejection, m
 		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
 		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
 	}
+	first := rejection
 	switch {
 	case !accepted:
 		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonNotAccepted, "nothing is programmed for what is not accepted")
 	case pr.applyErr != nil:
 		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonApplyFailed, pr.applyErr.Error())
+		first = cmpOr(first, v1alpha1.ReasonApplyFailed)
 	case pr.programmed:
 		set(v1alpha1.ConditionProgrammed, true, v1alpha1.ReasonProgrammed, applied)
 	}
 	set(v1alpha1.ConditionReady, rd.ready, rd.reason, rd.message)
 	set(v1alpha1.ConditionReconciling, accepted && !pr.stalled && !rd.ready, rd.reason, rd.message)
-	set(v1alpha1.ConditionDegraded, degraded, why, text)
-	if rd.ready {
-		return ""
+	if !rd.ready {
+		first = cmpOr(first, rd.reason)
 	}
-	return rd.reason
+	set(v1alpha1.ConditionDegraded, degraded, why, text)
+	if degraded {
+		first = cmpOr(first, why)
+	}
+	return first
+}
+
+// cmpOr is a, or b when a is "".
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
 }
 
 // readiness is how many replicas serve what they must, and whether that makes their owner Ready:
@@ -169,12 +185,15 @@ func (pr progress) readiness(serves func(replica) service, head string) readines
 	}
 	var rd readiness
 	others := map[string]int{}
-	var refused, missing []string
+	var refused, named, missing []string
+	var causes []podCause
 	for _, r := range byName(pr.pods) {
 		var s service
 		switch {
+		case r.cause.reason != "":
+			causes, named = append(causes, r.cause), append(named, r.cause.text)
 		case !r.ready:
-			s.missing = r.pod + " is not ready"
+			s.missing = r.cause.or(r.pod + " is not ready")
 		case r.err != nil:
 			s.missing = r.pod + " did not report: " + r.err.Error()
 		default:
@@ -188,12 +207,15 @@ func (pr progress) readiness(serves func(replica) service, head string) readines
 		}
 		refused, missing = appendNonEmpty(refused, s.refused), appendNonEmpty(missing, s.missing)
 	}
-	rd.message = readinessMessage(fmt.Sprintf("%d/%d %s", rd.serving, pr.replicas, head), others, refused, missing)
+	// The pods whose status names their cause are named first.
+	rd.message = readinessMessage(fmt.Sprintf("%d/%d %s", rd.serving, pr.replicas, head), others, refused, append(named, missing...))
 	d := pr.deployment
 	rolling := d.Status.ObservedGeneration < d.Generation || d.Status.UpdatedReplicas < pr.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
 	switch {
 	case len(refused) > 0:
 		rd.reason = v1alpha1.ReasonRefused
+	case len(causes) > 0:
+		rd.reason = causes[0].reason
 	case pr.pending:
 		rd.reason, rd.message = v1alpha1.ReasonRollingOut, rd.message+"; the enforcers' objects are being applied"
 	case len(others) > 0 || rolling && rd.serving < pr.replicas:
@@ -245,17 +267,82 @@ func readinessMessage(head string, others map[string]int, refused, missing []str
 	return b.String()
 }
 
-// degradation tells what weakens enforcement: a missing target, a store that a replica cannot
-// use, in that replica's words, or, when no replica reports, a Redis the manager cannot reach.
+// podCause is why a pod does not run ready, as its status says it: the Ready reason that names
+// it, and the pod's name with the scheduler's or the kubelet's reason and message.
+type podCause struct{ reason, text string }
+
+// or is the cause's text, or otherwise when it has none.
+func (c podCause) or(otherwise string) string {
+	if c.text == "" {
+		return otherwise
+	}
+	return c.text
+}
+
+// waitingReasons are the Ready reasons of the reasons a kubelet gives a container that waits.
+var waitingReasons = map[string]string{
+	"ErrImagePull":               v1alpha1.ReasonImagePullFailed,
+	"ImagePullBackOff":           v1alpha1.ReasonImagePullFailed,
+	"InvalidImageName":           v1alpha1.ReasonImagePullFailed,
+	"ErrImageNeverPull":          v1alpha1.ReasonImagePullFailed,
+	"CreateContainerConfigError": v1alpha1.ReasonContainerConfigError,
+	"CreateContainerError":       v1alpha1.ReasonContainerConfigError,
+	"CrashLoopBackOff":           v1alpha1.ReasonCrashLooping,
+}
+
+// causeOf is why a pod is not ready, read from its status as the scheduler and the kubelet
+// write it: the PodScheduled condition False with reason Unschedulable and the scheduler's
+// message; a container waiting, with the kubelet's reason and message (an image that cannot be
+// pulled, a Secret or ConfigMap its config needs that does not exist, a crash loop, with the
+// container's last exit). Nothing for a ready pod, or one whose status says nothing of why.
+func causeOf(pod *corev1.Pod) podCause {
+	if podReady(pod) {
+		return podCause{}
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+			return podCause{v1alpha1.ReasonUnschedulable, "pod " + pod.Name + ": " + c.Reason + ": " + c.Message}
+		}
+	}
+	for _, s := range slices.Concat(pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses) {
+		w := s.State.Waiting
+		if w == nil || w.Reason == "" {
+			continue
+		}
+		text := "pod " + pod.Name + ": " + w.Reason
+		if w.Message != "" {
+			text += ": " + w.Message
+		}
+		if t := s.LastTerminationState.Terminated; t != nil && w.Reason == "CrashLoopBackOff" {
+			text += fmt.Sprintf("; container %s last exited with code %d (%s)", s.Name, t.ExitCode, t.Reason)
+			if t.Message != "" {
+				text += ": " + t.Message
+			}
+		}
+		return podCause{waitingReasons[w.Reason], text}
+	}
+	return podCause{}
+}
+
+// degradation tells what weakens enforcement: a store that a replica cannot use, in that
+// replica's words, or, when no replica reports, a Redis the manager cannot reach; or a missing
+// target. A store's failure is told first, whatever else fails.
 func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, string) {
+	missing := ""
 	if obs.targetMissing {
-		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the policy's enforcers have no requests to limit"
+		missing = "Service " + p.Spec.TargetRef.Name + " does not exist: the policy's enforcers have no requests to limit"
 	}
-	if reason, msg := storeDegradation(byName(obs.pods)); reason != "" {
+	reason, msg := storeDegradation(byName(obs.pods))
+	if reason == "" && obs.redisUnreachable != "" {
+		reason, msg = v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
+	}
+	switch {
+	case reason != "" && missing != "":
+		return true, reason, msg + "; and " + missing
+	case reason != "":
 		return true, reason, msg
-	}
-	if obs.redisUnreachable != "" {
-		return true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
+	case missing != "":
+		return true, v1alpha1.ReasonTargetNotFound, missing
 	}
 	return false, v1alpha1.ReasonAsExpected, ""
 }
@@ -288,6 +375,22 @@ func storeReason(cause string) string {
 		return v1alpha1.ReasonRedisTLSFailed
 	}
 	return v1alpha1.ReasonRedisUnreachable
+}
+
+// storeHealth is status.enforcer.storeHealth: Connected when every reporting replica's store
+// answers, else the reason of the first that does not; while no replica reports, RedisUnreachable
+// when the manager's probe failed, else "".
+func storeHealth(pods []replica, probe string) string {
+	if reason, _ := storeDegradation(byName(pods)); reason != "" {
+		return reason
+	}
+	if slices.ContainsFunc(pods, func(r replica) bool { return r.report != nil }) {
+		return v1alpha1.StoreConnected
+	}
+	if probe != "" {
+		return v1alpha1.ReasonRedisUnreachable
+	}
+	return ""
 }
 
 // storageKind names where a pool's counters live, for status.

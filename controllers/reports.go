@@ -485,7 +485,7 @@ func (s *reports) replicas(ctx context.Context, pool types.NamespacedName, id, r
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, pod := range pods {
-		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod)}
+		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), cause: causeOf(pod)}
 		rd := s.pods[pod.UID]
 		switch {
 		case pod.Status.PodIP == "":

@@ -180,9 +180,8 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 			if st.ObservedGeneration != 3 {
 				t.Errorf("observedGeneration = %d, want 3", st.ObservedGeneration)
 			}
-			readyCond := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionReady)
-			if wantReason := map[bool]string{true: "", false: readyCond.Reason}[readyCond.Status == metav1.ConditionTrue]; st.Reason != wantReason {
-				t.Errorf("status.reason = %q, want %q", st.Reason, wantReason)
+			if want := firstFailing(st.Conditions); st.Reason != want {
+				t.Errorf("status.reason = %q, want %q", st.Reason, want)
 			}
 			if !c.obs.programmed {
 				return
@@ -309,4 +308,18 @@ func TestRuleNamesWhenTheRulesAreListedThenAllFitOrTheRestAreCounted(t *testing.
 			}
 		})
 	}
+}
+
+// firstFailing is the reason of the first condition that fails, in the order Accepted (False),
+// Programmed (False), Ready (False), Degraded (True): what kubectl's REASON column shows.
+func firstFailing(conds []metav1.Condition) string {
+	for _, f := range []struct {
+		typ    string
+		status metav1.ConditionStatus
+	}{{v1alpha1.ConditionAccepted, "False"}, {v1alpha1.ConditionProgrammed, "False"}, {v1alpha1.ConditionReady, "False"}, {v1alpha1.ConditionDegraded, "True"}} {
+		if c := meta.FindStatusCondition(conds, f.typ); c != nil && c.Status == f.status {
+			return c.Reason
+		}
+	}
+	return ""
 }
