@@ -75,7 +75,7 @@ func TestPoolWhenTheSampleRendersThenObjectsMatchTheGoldenFile(t *testing.T) {
 	}
 	// The pool's enforcers load the ConfigMap with the loader of standalone files, and the
 	// revision is the one the policy's own enforcer would report.
-	if ps, warnings, err := enforcer.Load([]byte(cm.Data[report.PolicyFileKey])); err != nil || len(warnings) > 0 || len(ps) != 1 || ps[0].ID != "shop/catalogue" {
+	if ps, warnings, err := enforcer.Load([]byte(cm.Data[report.PolicyFileKey])); err != nil || len(warnings) > 0 || len(ps) != 1 || ps[0].ID != "shop/reviews" {
 		t.Errorf("the pool's enforcers cannot load the config cleanly: %v, warnings %q", err, warnings)
 	}
 	if own, _ := render.PolicyRevision(p); own != rev {
