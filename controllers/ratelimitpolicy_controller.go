@@ -49,7 +49,8 @@ type RateLimitPolicyReconciler struct {
 	Scheme   *runtime.Scheme
 	Recorder events.EventRecorder
 	Defaults render.Defaults
-	// Workers is the number of policies reconciled at once. Default 4.
+	// Workers is the number of policies reconciled at once; at least 1. cmd/manager's --workers
+	// sets 16.
 	Workers int
 	// ProbeRedis, when set, checks every ProbeInterval that the Redis of a pool's storage.redis
 	// answers while none of its replicas reports, and reports Degraded RedisUnreachable when it

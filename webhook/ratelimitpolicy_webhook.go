@@ -1,6 +1,6 @@
 // Package webhook is the admission webhook of RateLimitPolicy: a typed adapter that validates a
-// policy with the same functions the controller and the enforcer call (enforcer/policy), and
-// warns about legal but risky specs. Package certs keeps its certificate.
+// policy with the same functions the controller and the enforcer call (internal/policy), and
+// warns about legal but risky specs. Package internal/certs keeps its certificate.
 //
 // There is no defaulting webhook: the spec holds what the user wrote. Constant defaults are the
 // schema's; values that depend on other fields or on the manager's flags (replicas, images) are

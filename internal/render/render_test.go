@@ -97,7 +97,7 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 			}
 			want, err := os.ReadFile(golden)
 			if err != nil {
-				t.Fatalf("%v (run go test ./controllers/render -update)", err)
+				t.Fatalf("%v (run go test ./internal/render -update)", err)
 			}
 			if diff := cmp.Diff(string(want), got); diff != "" {
 				t.Errorf("rendered objects differ from %s (-want +got):\n%s", golden, diff)
