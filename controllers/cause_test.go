@@ -85,7 +85,7 @@ func TestComputeStatusWhenPodsOrTheStoreFailThenStatusNamesTheCause(t *testing.T
 		Status: appsv1.DeploymentStatus{ObservedGeneration: 1, Replicas: 2, UpdatedReplicas: 2, AvailableReplicas: 2}}
 	pod := func(name string, st corev1.PodStatus) replica {
 		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name}, Status: st}
-		return replica{pod: name, ready: podReady(p), cause: causeOf(p)}
+		return replica{pod: name, ready: podReady(p), object: p}
 	}
 	serving := func(name string, connected bool) replica {
 		return replica{pod: name, ready: true, revision: "r1", report: &report.Report{Revision: "r1",

@@ -3,7 +3,6 @@ package controllers
 import (
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -273,29 +272,4 @@ func moved(p *v1alpha1.RateLimitPolicy, id string) bool {
 	ready := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady)
 	return to != id && ready != nil && ready.Status == metav1.ConditionTrue && ready.ObservedGeneration == p.Generation &&
 		p.Status.ObservedGeneration == p.Generation && p.Status.Enforcer != nil && p.Status.Enforcer.Pool == to
-}
-
-// homePods are a pool's enforcer pods that are not terminating nor done, by name, found through
-// the cache's index.
-func (r *RateLimitPolicyReconciler) homePods(ctx context.Context, key types.NamespacedName) ([]*corev1.Pod, error) {
-	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(key.Namespace), client.MatchingFields{podHomeIndex: key.String()}, client.UnsafeDisableDeepCopy); err != nil {
-		return nil, err
-	}
-	var running []*corev1.Pod
-	for i := range pods.Items {
-		pod := &pods.Items[i]
-		// A label value cut and hashed may, however unlikely, be another long name's too.
-		if k, _ := homeKeyOf(pod); k != key || !live(pod) {
-			continue
-		}
-		running = append(running, pod)
-	}
-	slices.SortFunc(running, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
-	return running, nil
-}
-
-// live tells whether a pod is neither terminating nor done.
-func live(pod *corev1.Pod) bool {
-	return pod.DeletionTimestamp == nil && pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed
 }

@@ -50,9 +50,9 @@ type progress struct {
 type replica struct {
 	pod string
 	uid types.UID
-	// ready is the pod's Ready condition, and cause why it is not, in its status's own words.
-	ready bool
-	cause podCause
+	// ready is the pod's Ready condition; object is the pod, whose status says why it is not.
+	ready  bool
+	object *corev1.Pod
 	// report is what the enforcer reported, or err why it could not be read.
 	report *report.Report
 	err    error
@@ -189,11 +189,12 @@ func (pr progress) readiness(serves func(replica) service, head string) readines
 	var causes []podCause
 	for _, r := range byName(pr.pods) {
 		var s service
+		cause := causeOf(r.object)
 		switch {
-		case r.cause.reason != "":
-			causes, named = append(causes, r.cause), append(named, r.cause.text)
+		case cause.reason != "":
+			causes, named = append(causes, cause), append(named, cause.text)
 		case !r.ready:
-			s.missing = r.cause.or(r.pod + " is not ready")
+			s.missing = cause.or(r.pod + " is not ready")
 		case r.err != nil:
 			s.missing = r.pod + " did not report: " + r.err.Error()
 		default:
@@ -294,9 +295,10 @@ var waitingReasons = map[string]string{
 // write it: the PodScheduled condition False with reason Unschedulable and the scheduler's
 // message; a container waiting, with the kubelet's reason and message (an image that cannot be
 // pulled, a Secret or ConfigMap its config needs that does not exist, a crash loop, with the
-// container's last exit). Nothing for a ready pod, or one whose status says nothing of why.
+// container's last exit). Nothing for a ready pod, or one whose status says nothing of why (or
+// no pod).
 func causeOf(pod *corev1.Pod) podCause {
-	if podReady(pod) {
+	if pod == nil || podReady(pod) {
 		return podCause{}
 	}
 	for _, c := range pod.Status.Conditions {

@@ -485,7 +485,7 @@ func (s *reports) replicas(ctx context.Context, pool types.NamespacedName, id, r
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, pod := range pods {
-		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), cause: causeOf(pod)}
+		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), object: pod}
 		rd := s.pods[pod.UID]
 		switch {
 		case pod.Status.PodIP == "":
@@ -509,6 +509,31 @@ func (s *reports) replicas(ctx context.Context, pool types.NamespacedName, id, r
 		out = append(out, rep)
 	}
 	return out, nil
+}
+
+// homePods are a pool's enforcer pods that are not terminating nor done, by name, found through
+// the cache's index.
+func (r *RateLimitPolicyReconciler) homePods(ctx context.Context, key types.NamespacedName) ([]*corev1.Pod, error) {
+	var pods corev1.PodList
+	if err := r.List(ctx, &pods, client.InNamespace(key.Namespace), client.MatchingFields{podHomeIndex: key.String()}, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, err
+	}
+	var running []*corev1.Pod
+	for i := range pods.Items {
+		pod := &pods.Items[i]
+		// A label value cut and hashed may, however unlikely, be another long name's too.
+		if k, _ := homeKeyOf(pod); k != key || !live(pod) {
+			continue
+		}
+		running = append(running, pod)
+	}
+	slices.SortFunc(running, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
+	return running, nil
+}
+
+// live tells whether a pod is neither terminating nor done.
+func live(pod *corev1.Pod) bool {
+	return pod.DeletionTimestamp == nil && pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed
 }
 
 // entryOf is what the read says of the policy id, nil when nothing.
