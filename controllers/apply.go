@@ -31,6 +31,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/apiutil"
 	logf "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
 
@@ -38,30 +39,14 @@ import (
 	"github.com/sluice-dev/sluice/internal/render"
 )
 
-// apply brings each rendered object to what server-side apply of its request leaves, and deletes
-// the objects no longer rendered (the managed Redis when storage changes, the
-// PodDisruptionBudget at one replica). An object is applied when its request differs from the
-// one last applied, or when the live object does not hold what the request makes it (see
-// applyReason): a changed or removed field, a hand edit, a deleted object. Otherwise nothing is
-// sent, and an object whose request and resourceVersion are both those of the last look is not
-// even compared again: a report-only reconcile costs no apply. A hand edit is put back with an
-// event that says what.
-func (r *RateLimitPolicyReconciler) apply(ctx context.Context, p *v1alpha1.RateLimitPolicy, objs *render.Objects) error {
-	w := waves(objs)
-	if err := r.applier(p).apply(ctx, w[:]...); err != nil {
-		return err
-	}
-	for _, obj := range unwanted(objs) {
-		if err := deleteOwned(ctx, r.Client, p.UID, obj); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// applier applies what one owner renders, a policy or a pool, and remembers under the owner's
-// key what it last applied. Each object's controller, as rendered, is the one it must have: a
-// pooled policy's ConfigMap is the pool's.
+// An applier brings each object an owner renders to what server-side apply of its request
+// leaves. An object is applied when its request differs from the one last applied, or when the
+// live object does not hold what the request makes it (see applyReason): a changed or removed
+// field, a hand edit, a deleted object. Otherwise nothing is sent, and an object whose request and
+// resourceVersion are both those of the last look is not even compared again: a report-only
+// reconcile costs no apply. A hand edit is put back with an event that says what. Its owner is a
+// policy, which applies its config, or a pool, which applies its enforcers; each object's
+// controller, as rendered, is the one it must have: a pooled policy's config is the pool's.
 type applier struct {
 	client   client.Client
 	recorder events.EventRecorder
@@ -75,10 +60,10 @@ type applier struct {
 	programmed bool
 }
 
-// applier is the policy's.
-func (r *RateLimitPolicyReconciler) applier(p *v1alpha1.RateLimitPolicy) *applier {
-	return &applier{client: r.Client, recorder: r.Recorder, cache: &r.mem.applied, key: client.ObjectKeyFromObject(p), on: p,
-		programmed: meta.IsStatusConditionTrue(p.Status.Conditions, v1alpha1.ConditionProgrammed) && p.Status.ObservedGeneration == p.Generation}
+// programmedAt tells whether the conditions of an object of generation gen say it is programmed
+// as it is.
+func programmedAt(conds []metav1.Condition, observed, gen int64) bool {
+	return meta.IsStatusConditionTrue(conds, v1alpha1.ConditionProgrammed) && observed == gen
 }
 
 // apply applies the objects of each wave at once, and wave after wave.
@@ -97,11 +82,11 @@ func (a *applier) apply(ctx context.Context, waves ...[]client.Object) error {
 	return nil
 }
 
-// waves are the objects in the order they are applied, those of a wave at once: first what the
-// enforcer pods need to start (their ConfigMap, ServiceAccount and its Role, the managed Redis),
-// then the Deployment that makes them, its Service and its budget, and the bypass protection,
-// which admits the pods the Deployment makes. A policy costs two round trips, not nine.
-func waves(objs *render.Objects) [2][]client.Object {
+// waves are a pool's objects in the order they are applied, those of a wave at once: first what
+// the enforcer pods need to start (their ServiceAccount and its Role, the managed Redis), then the
+// Deployment that makes them, its Service and its budget, and the bypass protection, which admits
+// the pods the Deployment makes. A pool costs two round trips, not nine.
+func waves(objs *render.PoolObjects) [2][]client.Object {
 	var w [2][]client.Object
 	for _, obj := range objs.All() {
 		second := obj == client.Object(objs.Deployment) || obj == client.Object(objs.Service) ||
@@ -115,64 +100,41 @@ func waves(objs *render.Objects) [2][]client.Object {
 	return w
 }
 
-// unwanted are the objects the policy no longer renders, by name: its budget once it runs one
+// poolObjects are, by name, every object a pool's enforcers may have, in the order they are
+// deleted: the Deployment first, so that its pods stop serving before anything they read goes.
+func poolObjects(ns, name string) []client.Object {
+	on := func(n string) metav1.ObjectMeta { return metav1.ObjectMeta{Namespace: ns, Name: n} }
+	redis, bypass := render.RedisName(name), render.BypassName(name)
+	return []client.Object{
+		&appsv1.Deployment{ObjectMeta: on(name)}, &corev1.Service{ObjectMeta: on(name)}, &policyv1.PodDisruptionBudget{ObjectMeta: on(name)},
+		&networkingv1.NetworkPolicy{ObjectMeta: on(name)}, &networkingv1.NetworkPolicy{ObjectMeta: on(bypass)},
+		&rbacv1.RoleBinding{ObjectMeta: on(name)}, &rbacv1.Role{ObjectMeta: on(name)}, &corev1.ServiceAccount{ObjectMeta: on(name)},
+		&appsv1.Deployment{ObjectMeta: on(redis)}, &corev1.Service{ObjectMeta: on(redis)}, &policyv1.PodDisruptionBudget{ObjectMeta: on(redis)},
+		&corev1.Secret{ObjectMeta: on(redis)}, &networkingv1.NetworkPolicy{ObjectMeta: on(redis)},
+	}
+}
+
+// unwanted are the objects a pool no longer renders, by name: its budget once it runs one
 // replica, its NetworkPolicies once they are turned off, its managed Redis once it has another
-// store. They are deleted if the policy owns them.
-func unwanted(objs *render.Objects) []client.Object {
-	name, ns := objs.Deployment.Name, objs.Deployment.Namespace
+// store, its bypass protection once it is not asked for. They are deleted if the pool owns them.
+func unwanted(objs *render.PoolObjects) []client.Object {
+	rendered := map[objectKey]bool{}
+	for _, o := range objs.All() {
+		rendered[keyOf(o)] = true
+	}
 	var out []client.Object
-	if objs.PDB == nil {
-		out = append(out, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
-	}
-	if objs.NetworkPolicy == nil {
-		out = append(out, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
-		if objs.RedisDeployment != nil {
-			out = append(out, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}})
+	for _, o := range poolObjects(objs.Deployment.Namespace, objs.Deployment.Name) {
+		if !rendered[objectKey{kind: kindOf(o), namespace: o.GetNamespace(), name: o.GetName()}] {
+			out = append(out, o)
 		}
-	}
-	if objs.Bypass == nil {
-		out = append(out, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: render.BypassName(name)}})
-	}
-	if objs.RedisDeployment == nil {
-		redis := metav1.ObjectMeta{Namespace: ns, Name: render.RedisName(name)}
-		out = append(out, &appsv1.Deployment{ObjectMeta: redis}, &corev1.Service{ObjectMeta: redis},
-			&policyv1.PodDisruptionBudget{ObjectMeta: redis}, &corev1.Secret{ObjectMeta: redis}, &networkingv1.NetworkPolicy{ObjectMeta: redis})
 	}
 	return out
 }
 
-// programmed is what applying a policy's objects established: enough for status, and the
-// objects to look at to know they are still as they were left.
-type programmed struct {
-	uid                                           types.UID
-	generation                                    int64
-	defaults                                      render.Defaults
-	appProtocol                                   v1alpha1.AppProtocol // the spec's, or else the Service port's
-	revision, service, image, storage, deployment string
-	replicas                                      int32
-	objects                                       []objectKey
-	// target is the resourceVersion of the target Service that the bypass protection was
-	// rendered from, "" without bypass protection.
-	target string
-	// pool is, for a pooled policy, the pool's UID and generation it was programmed with
-	// (poolVersion), and poolKey the pool; "" for a policy's own enforcer.
-	pool    string
-	poolKey types.NamespacedName
-}
-
-// remember records what applying objs for p established.
-func (r *RateLimitPolicyReconciler) remember(p *v1alpha1.RateLimitPolicy, objs *render.Objects, target *corev1.Service) *programmed {
-	prog := &programmed{
-		uid: p.UID, generation: p.Generation, defaults: cloneDefaults(r.Defaults), appProtocol: p.Spec.TargetRef.AppProtocol,
-		revision: objs.Revision, service: objs.Service.Name, image: objs.Deployment.Spec.Template.Spec.Containers[0].Image,
-		storage: storageKind(p), deployment: objs.Deployment.Name, replicas: render.Replicas(p),
-		target: bypassTarget(p, target),
-	}
-	for _, o := range objs.All() {
-		prog.objects = append(prog.objects, keyOf(o))
-	}
-	r.mem.programmed.Store(client.ObjectKeyFromObject(p), prog)
-	return prog
+// kindOf is the kind of one of the built-in objects the controllers render.
+func kindOf(o client.Object) string {
+	gvk, _ := apiutil.GVKForObject(o, clientgoscheme.Scheme)
+	return gvk.Kind
 }
 
 // cloneDefaults copies d, so that what a reconcile remembers does not move with a later change
@@ -188,44 +150,19 @@ func cloneDefaults(d render.Defaults) render.Defaults {
 	return d
 }
 
-// bypassTarget is what the bypass protection is rendered from: the target Service's
-// resourceVersion, or "" when the policy asks for none.
-func bypassTarget(p *v1alpha1.RateLimitPolicy, target *corev1.Service) string {
-	if p.Spec.TargetRef.BypassProtection == nil {
-		return ""
-	}
-	if target == nil {
-		return "none"
-	}
-	return target.ResourceVersion
-}
-
-// current returns what the last full apply of p established if nothing has changed since on
-// either side: the same policy generation and defaults, the same target Service where bypass
-// protection renders from it, and every object at the resourceVersion it was left at.
-// Otherwise nil: render and apply.
-func (r *RateLimitPolicyReconciler) current(ctx context.Context, p *v1alpha1.RateLimitPolicy, target *corev1.Service) *programmed {
-	key := client.ObjectKeyFromObject(p)
-	v, ok := r.mem.programmed.Load(key)
-	if !ok {
-		return nil
-	}
-	prog := v.(*programmed)
-	if prog.uid != p.UID || prog.generation != p.Generation || !equality.Semantic.DeepEqual(prog.defaults, r.Defaults) ||
-		prog.target != bypassTarget(p, target) || prog.appProtocol != p.Spec.TargetRef.AppProtocol {
-		return nil
-	}
-	for _, o := range prog.objects {
+// unchanged tells whether every object is at the resourceVersion the last apply of the owner
+// key left it at. Only the resourceVersion is read: the cache's own object, not a deep copy of it
+// (a Deployment's is most of this check's cost, a hundred times a second at 1,000 policies).
+func unchanged(ctx context.Context, c client.Reader, cache *appliedCache, key types.NamespacedName, objects []objectKey) bool {
+	for _, o := range objects {
 		live := newObject(o.kind)
-		last, ok := r.mem.applied.get(key, o)
-		// Only the resourceVersion is read: the cache's own object, not a deep copy of it (a
-		// Deployment's is most of this check's cost, a hundred times a second at 1,000 policies).
-		if live == nil || !ok || r.Get(ctx, client.ObjectKey{Namespace: o.namespace, Name: o.name}, live, client.UnsafeDisableDeepCopy) != nil ||
+		last, ok := cache.get(key, o)
+		if live == nil || !ok || c.Get(ctx, client.ObjectKey{Namespace: o.namespace, Name: o.name}, live, client.UnsafeDisableDeepCopy) != nil ||
 			live.GetResourceVersion() != last.resourceVersion {
-			return nil
+			return false
 		}
 	}
-	return prog
+	return true
 }
 
 // newObject is an empty object of one of the kinds the controller renders.

@@ -20,7 +20,7 @@ import (
 	"github.com/sluice-dev/sluice/internal/render"
 )
 
-// rendered is a Deployment as render.Enforcer makes it, with CPU and memory limits.
+// rendered is a pool of one's Deployment as render makes it, with CPU and memory limits.
 func rendered(t *testing.T) *appsv1.Deployment {
 	t.Helper()
 	p := &v1alpha1.RateLimitPolicy{
@@ -34,7 +34,7 @@ func rendered(t *testing.T) *appsv1.Deployment {
 			}},
 		},
 	}
-	objs, err := render.Enforcer(p, render.Defaults{EnforcerImage: "enforcer:1"})
+	objs, err := render.OneOf(p, render.Defaults{EnforcerImage: "enforcer:1"}).Objects(render.Defaults{EnforcerImage: "enforcer:1"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,13 +207,14 @@ func TestApplierWhenTheManagedRedisSecretIsMissingThenItIsNotAppliedAndOtherObje
 			Storage:   &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}},
 		},
 	}
-	objs, err := render.Enforcer(p, render.Defaults{EnforcerImage: "enforcer:1", RedisImage: "redis:7"})
+	d := render.Defaults{EnforcerImage: "enforcer:1", RedisImage: "redis:7"}
+	objs, err := render.OneOf(p, d).Objects(d, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	objs.WithRedisPassword("old-password")
 	a := &applier{client: fake.NewClientBuilder().Build(), cache: &appliedCache{}, key: types.NamespacedName{Namespace: "ns", Name: "api"}, on: p, programmed: true}
-	for _, o := range []client.Object{objs.RedisSecret, objs.ConfigMap} {
+	for _, o := range []client.Object{objs.RedisSecret, objs.Deployment} {
 		desired, request, err := applyRequest(o)
 		if err != nil {
 			t.Fatal(err)

@@ -360,8 +360,8 @@ func TestEventsWhenAPolicyRollsOutThenOnlyReadyIsTold(t *testing.T) {
 	}
 }
 
-// A second reconcile of an unchanged policy writes nothing: no request that changes anything is
-// sent, and no object's resourceVersion moves on the API server.
+// A second reconcile of an unchanged policy, and of its pool of one, writes nothing: no request
+// that changes anything is sent, and no object's resourceVersion moves on the API server.
 func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
 	ctx := context.Background()
 	ns := testenv.Namespace(t, k8s, "ctrl")
@@ -423,13 +423,17 @@ func TestReconcileWhenNothingChangedThenZeroWrites(t *testing.T) {
 	})
 	r := *reconciler
 	r.Client = counting
+	pools := reconciler.PoolReconciler(counting)
 	for range 3 {
 		if _, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(p)}); err != nil {
 			t.Fatal(err)
 		}
+		if _, err := pools.Reconcile(ctx, ctrl.Request{NamespacedName: controllers.OneKey(client.ObjectKeyFromObject(p))}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if n := writes.Load(); n != 0 {
-		t.Errorf("%d writes in 3 reconciles of an unchanged policy, want 0", n)
+		t.Errorf("%d writes in 3 reconciles of an unchanged policy and its pool of one, want 0", n)
 	}
 	if after := versions(); fmt.Sprint(after) != fmt.Sprint(before) {
 		t.Errorf("resourceVersions moved: %v -> %v", before, after)
@@ -660,7 +664,7 @@ func (noWatch) Watch(context.Context, client.ObjectList, ...client.ListOption) (
 
 // Under steady traffic the counts change at every report, and the status is written at most
 // once per report interval (1s here), yet it is written: the counts move. An annotation on the
-// enforcer Service changes meanwhile, and each change brings a reconcile that sees new counts:
+// policy's ConfigMap changes meanwhile, and each change brings a reconcile that sees new counts:
 // many times the writes, if writes were not bounded. The test waits for four writes, however
 // long the machine takes to make them, and counts the Service changes between them.
 func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *testing.T) {
@@ -682,15 +686,15 @@ func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
-	services, err := watcher.Watch(ctx, &corev1.ServiceList{}, client.InNamespace(ns))
+	configs, err := watcher.Watch(ctx, &corev1.ConfigMapList{}, client.InNamespace(ns))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer services.Stop()
-	var changes atomic.Int64 // of the enforcer Service, each a reconcile
+	defer configs.Stop()
+	var changes atomic.Int64 // of the policy's ConfigMap, each a reconcile
 	go func() {
-		for ev := range services.ResultChan() {
-			if svc, ok := ev.Object.(*corev1.Service); ok && ev.Type == watch.Modified && svc.Name == "sluice-busy" {
+		for ev := range configs.ResultChan() {
+			if cm, ok := ev.Object.(*corev1.ConfigMap); ok && ev.Type == watch.Modified && cm.Name == "sluice-busy" {
 				changes.Add(1)
 			}
 		}
@@ -735,12 +739,12 @@ func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *test
 	}()
 	var driving sync.WaitGroup
 	driving.Go(func() {
-		svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-busy"}}
+		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "sluice-busy"}}
 		tick := time.NewTicker(100 * time.Millisecond)
 		defer tick.Stop()
 		for i := 0; ; i++ {
 			patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{"test.sluice.dev/tick":"%d"}}}`, i))
-			if err := k8s.Patch(ctx, svc, client.RawPatch(types.MergePatchType, patch)); err != nil {
+			if err := k8s.Patch(ctx, cm, client.RawPatch(types.MergePatchType, patch)); err != nil {
 				t.Error(err)
 				return
 			}
@@ -787,7 +791,7 @@ func TestStatusWhenTrafficFlowsThenCountsAreWrittenAtMostOncePerInterval(t *test
 		t.Errorf("status.rules[0].allowed went from %d to %d over %d writes, want the counts to move", first.allowed, last.allowed, want)
 	}
 	if n := last.change - first.change; n < 2*(want-1) {
-		t.Errorf("%d changes of the Service between the first and the last of %d writes, want at least %d: the bound was not put to the test", n, want, 2*(want-1))
+		t.Errorf("%d changes of the ConfigMap between the first and the last of %d writes, want at least %d: the bound was not put to the test", n, want, 2*(want-1))
 	}
 	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil || len(p.Status.Rules) != 1 || p.Status.Rules[0].Allowed == 0 {
 		t.Errorf("status.rules %+v (%v), want the traffic counted", p.Status.Rules, err)

@@ -6,7 +6,6 @@ import (
 	"strings"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -16,16 +15,8 @@ import (
 type poolObservation struct {
 	// invalid is the validation error, if the spec is invalid.
 	invalid string
-	// applyErr is set when applying an object failed; stalled when no retry can fix it.
-	applyErr error
-	stalled  bool
-	// programmed is true once every object was applied.
-	programmed              bool
-	replicas                int32
+	progress
 	image, storage, service string
-	deployment              *appsv1.Deployment
-	// pods are the pool's pods that are not terminating, with what each reported.
-	pods []replica
 }
 
 // maxRefusedListed bounds status.policies.refusedPolicies, as its schema does.
@@ -36,38 +27,16 @@ const maxRefusedListed = 16
 func computePoolStatus(pool *v1alpha1.EnforcerPool, obs poolObservation, reconciled bool, now time.Time) v1alpha1.EnforcerPoolStatus {
 	st := *pool.Status.DeepCopy()
 	set := conditionSetter(&st.Conditions, pool.Generation, now)
-	switch {
-	case obs.invalid != "":
-		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonInvalid, obs.invalid)
-		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonInvalid, obs.invalid)
-	case obs.stalled:
-		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
-		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
-	default:
-		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
-		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
+	rejection := ""
+	if obs.invalid != "" {
+		rejection = v1alpha1.ReasonInvalid
 	}
-	accepted := obs.invalid == ""
-	switch {
-	case !accepted:
-		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonNotAccepted, "nothing is programmed for a pool that is not accepted")
-	case obs.applyErr != nil:
-		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
-	case obs.programmed:
-		set(v1alpha1.ConditionProgrammed, true, v1alpha1.ReasonProgrammed, "the pool's objects are applied")
-	}
-	ready, ok, reason, msg := poolReadiness(obs)
-	set(v1alpha1.ConditionReady, ok, reason, msg)
-	set(v1alpha1.ConditionReconciling, accepted && !obs.stalled && !ok, reason, msg)
-	st.Reason = ""
-	if !ok {
-		st.Reason = reason
-	}
-	degraded, reason, msg := poolDegradation(obs)
-	set(v1alpha1.ConditionDegraded, degraded, reason, msg)
+	rd := obs.readiness(poolServes, "replicas serve the pool's policies")
+	degraded, why, text := poolDegradation(obs)
+	st.Reason = setConditions(set, rejection, obs.invalid, obs.progress, "the pool's objects are applied", rd, degraded, why, text)
 	if obs.programmed {
 		st.ServiceName, st.Replicas, st.Image, st.Storage = obs.service, obs.replicas, obs.image, obs.storage
-		st.ReadyReplicas, st.Ready = ready, fmt.Sprintf("%d/%d", ready, obs.replicas)
+		st.ReadyReplicas, st.Ready = rd.serving, fmt.Sprintf("%d/%d", rd.serving, obs.replicas)
 		st.Policies, st.ReplicaStatuses = poolPolicies(obs.pods), poolReplicas(obs.pods)
 	}
 	if reconciled {
@@ -76,47 +45,13 @@ func computePoolStatus(pool *v1alpha1.EnforcerPool, obs poolObservation, reconci
 	return st
 }
 
-// poolReadiness tells how many replicas are ready and report that they follow the pool's
-// policies, and whether that makes the pool Ready: every desired replica, and the Deployment
-// done rolling out.
-func poolReadiness(obs poolObservation) (int32, bool, string, string) {
-	if !obs.programmed || obs.deployment == nil {
-		return 0, false, v1alpha1.ReasonNotProgrammed, "the pool's enforcers are not programmed"
+// poolServes is what a replica does with the pool's policies: it serves them once it has loaded
+// every one the API server held when it started watching.
+func poolServes(r replica) service {
+	if !r.report.Synced {
+		return service{missing: r.pod + " has not loaded the pool's policies yet"}
 	}
-	var ready int32
-	var missing []string
-	for _, r := range obs.pods {
-		switch {
-		case !r.ready:
-			missing = append(missing, r.pod+" is not ready")
-		case r.err != nil:
-			missing = append(missing, r.pod+" did not report: "+r.err.Error())
-		case !r.report.Synced:
-			missing = append(missing, r.pod+" has not loaded the pool's policies yet")
-		default:
-			ready++
-		}
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "%d/%d replicas serve the pool's policies", ready, obs.replicas)
-	if len(missing) > 0 {
-		slices.Sort(missing)
-		fmt.Fprintf(&b, "; %s", missing[0])
-		if len(missing) > 1 {
-			fmt.Fprintf(&b, " (and %d more)", len(missing)-1)
-		}
-	}
-	d := obs.deployment
-	rolling := d.Status.ObservedGeneration < d.Generation || d.Status.UpdatedReplicas < obs.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
-	switch {
-	case rolling && ready < obs.replicas:
-		return ready, false, v1alpha1.ReasonRollingOut, b.String()
-	case ready < obs.replicas || d.Status.AvailableReplicas < obs.replicas:
-		return ready, false, v1alpha1.ReasonUnavailable, b.String()
-	case rolling:
-		return ready, false, v1alpha1.ReasonRollingOut, b.String() + "; old replicas are still terminating"
-	}
-	return ready, true, v1alpha1.ReasonAvailable, b.String()
+	return service{serves: true}
 }
 
 // poolDegradation tells what weakens the pool: a replica's store that does not answer, in its

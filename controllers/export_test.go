@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 )
@@ -10,9 +11,12 @@ import (
 func (r *RateLimitPolicyReconciler) PoolReconciler(c client.Client) reconcile.Reconciler {
 	cp := *r
 	cp.Client = c
-	return &poolReconciler{RateLimitPolicyReconciler: &cp, poolMemory: r.mem.poolMemory}
+	return &poolReconciler{&cp}
 }
 
 // ProgressHold is how long a new policy's first status waits to say Ready rather than
 // Reconciling.
 const ProgressHold = progressHold
+
+// OneKey is the pool reconciler's key of the pool of one of the policy of key p.
+func OneKey(p types.NamespacedName) types.NamespacedName { return oneKey(p) }

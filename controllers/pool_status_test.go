@@ -31,7 +31,7 @@ func TestComputePoolStatusWhenObservedThenConditionsPoliciesAndReplicas(t *testi
 		return replica{pod: pod, ready: true, report: r}
 	}
 	observe := func(d *appsv1.Deployment, pods ...replica) poolObservation {
-		return poolObservation{programmed: true, replicas: 2, image: "img", storage: "redis-standalone", service: "sluice-pool-x", deployment: d, pods: pods}
+		return poolObservation{progress: progress{programmed: true, replicas: 2, deployment: d, pods: pods}, image: "img", storage: "redis-standalone", service: "sluice-pool-x"}
 	}
 	down := rep("p-b", true, []string{"a/1"})
 	down.report.Store = report.Store{Cause: report.CauseAuthentication, Message: "WRONGPASS"}

@@ -385,7 +385,7 @@ func TestPoolWhenOnePolicyIsOversizedOrInvalidThenItAloneIsRefused(t *testing.T)
 	}
 	waitCondition(t, good, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAvailable)
 	waitCondition(t, big, v1alpha1.ConditionProgrammed, metav1.ConditionFalse, v1alpha1.ReasonApplyFailed)
-	if c := condition(t, big, v1alpha1.ConditionProgrammed); !strings.Contains(c.Message, "a pool's ConfigMap holds") {
+	if c := condition(t, big, v1alpha1.ConditionProgrammed); !strings.Contains(c.Message, "a ConfigMap holds") {
 		t.Errorf("Programmed of the oversized policy: %+v", c)
 	}
 	if c := condition(t, big, v1alpha1.ConditionStalled); c.Status != metav1.ConditionTrue {

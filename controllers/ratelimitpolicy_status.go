@@ -7,6 +7,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -15,51 +16,51 @@ import (
 	"github.com/sluice-dev/sluice/internal/report"
 )
 
-// observation is what one reconcile learned. Status is a pure function of it.
+// observation is what one reconcile of a policy learned. Status is a pure function of it.
 type observation struct {
-	// invalid is the validation error, if the spec is invalid.
-	invalid string
-	// conflictsWith names the older policy that targets the same Service.
-	conflictsWith string
-	// poolRejection is the reason the pool of spec.enforcer.poolRef does not take the policy
-	// (PoolNotFound, NotAllowedByPool), and poolMessage says why.
-	poolRejection, poolMessage string
-	// pool is the "<namespace>/<name>" of the pool that serves the policy, "" for its own enforcer.
-	pool string
+	verdict
+	progress
+	// revision is that of the policy's config, once compiled.
+	revision string
+	// counts are each rule's decisions over the last minute, by rule name.
+	counts map[string]report.Counters
+	// redisUnreachable says why the Redis of the pool's storage.redis did not answer the
+	// manager's probe.
+	redisUnreachable string
+}
+
+// progress is what a reconcile of a policy or a pool found of its enforcers, in the terms of the
+// conditions both have.
+type progress struct {
 	// applyErr is set when applying an object failed; stalled when no retry can fix it.
 	applyErr error
 	stalled  bool
-	// programmed is true once every object was applied.
-	programmed bool
-	revision   string
-	service    string
+	// programmed is true once the owner's objects are applied: a policy's config, a pool's
+	// enforcers. pending is true while the pool reconciler has not yet applied a policy's
+	// pool's objects as its spec is now.
+	programmed, pending bool
+	// replicas is the desired number of enforcer pods.
 	replicas   int32
-	image      string
-	storage    string
 	deployment *appsv1.Deployment
 	// pods are the enforcer pods that are not terminating, with what each reported.
 	pods []replica
-	// counts are each rule's decisions over the last minute, by rule name.
-	counts map[string]report.Counters
-	// targetMissing is true when the target Service does not exist.
-	targetMissing bool
-	// redisUnreachable says why the Redis of storage.redis did not answer the manager's probe.
-	redisUnreachable string
 }
 
 // replica is one enforcer pod as the manager saw it.
 type replica struct {
 	pod string
 	uid types.UID
-	// ready is the pod's Ready condition.
-	ready bool
+	// ready is the pod's Ready condition; object is the pod, whose status says why it is not.
+	ready  bool
+	object *corev1.Pod
 	// report is what the enforcer reported, or err why it could not be read.
 	report *report.Report
 	err    error
-	// revision is the revision of the policy the replica serves: its report's, or, for a
-	// pool's replica, its entry's ("" when it serves none). refused is why it refused the
-	// current revision, if it did.
+	// revision is the revision of the policy the replica serves ("" when it serves none), and
+	// refused why it refused the policy's current revision, if it did; rules are the policy's
+	// rules with their counters.
 	revision, refused string
+	rules             []report.Rule
 }
 
 // computeStatus derives the status from an observation made at now. A condition whose status
@@ -67,50 +68,15 @@ type replica struct {
 func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool, now time.Time) v1alpha1.RateLimitPolicyStatus {
 	st := *p.Status.DeepCopy()
 	set := conditionSetter(&st.Conditions, p.Generation, now)
-
-	switch {
-	case obs.invalid != "":
-		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonInvalid, obs.invalid)
-		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonInvalid, obs.invalid)
-	case obs.conflictsWith != "":
-		msg := fmt.Sprintf("RateLimitPolicy %s already targets Service %s", obs.conflictsWith, p.Spec.TargetRef.Name)
-		set(v1alpha1.ConditionAccepted, false, v1alpha1.ReasonConflicted, msg)
-		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonConflicted, msg)
-	case obs.poolRejection != "":
-		set(v1alpha1.ConditionAccepted, false, obs.poolRejection, obs.poolMessage)
-		set(v1alpha1.ConditionStalled, true, obs.poolRejection, obs.poolMessage)
-	case obs.stalled:
-		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
-		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
-	default:
-		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
-		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
-	}
-
-	accepted := obs.invalid == "" && obs.conflictsWith == "" && obs.poolRejection == ""
-	switch {
-	case !accepted:
-		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonNotAccepted, "nothing is programmed for a policy that is not accepted")
-	case obs.applyErr != nil:
-		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonApplyFailed, obs.applyErr.Error())
-	case obs.programmed:
-		set(v1alpha1.ConditionProgrammed, true, v1alpha1.ReasonProgrammed, "config revision "+obs.revision+" applied")
-	}
-
-	serving, ready, reason, msg := readiness(obs)
-	set(v1alpha1.ConditionReady, ready, reason, msg)
-	set(v1alpha1.ConditionReconciling, accepted && !obs.stalled && !ready, reason, msg)
-	st.Reason = ""
-	if !ready {
-		st.Reason = reason
-	}
-
-	degraded, reason, msg := degradation(p, obs)
-	set(v1alpha1.ConditionDegraded, degraded, reason, msg)
-
+	reason, msg := rejection(p, obs.verdict)
+	rd := obs.readiness(obs.policyServes, "replicas serve revision "+obs.revision)
+	on, why, text := degradation(p, obs)
+	st.Reason = setConditions(set, reason, msg, obs.progress, "config revision "+obs.revision+" applied", rd, on, why, text)
 	if obs.programmed {
-		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: obs.service, Pool: obs.pool, Replicas: obs.replicas, Image: obs.image,
-			ConfigRevision: obs.revision, ReadyReplicas: serving, Ready: fmt.Sprintf("%d/%d", serving, obs.replicas), Storage: obs.storage}
+		h := obs.home
+		st.Enforcer = &v1alpha1.EnforcerStatus{ServiceName: h.Name, Pool: h.ID, Replicas: h.Replicas, Image: h.Image,
+			ConfigRevision: obs.revision, ReadyReplicas: rd.serving, Ready: fmt.Sprintf("%d/%d", rd.serving, h.Replicas),
+			Storage: storageKind(h.Storage), StoreHealth: storeHealth(obs.pods, obs.redisUnreachable)}
 	}
 	st.RuleNames = ruleNames(p.Spec.Rules)
 	st.Rules, st.Limited = ruleCounts(p, obs.counts)
@@ -120,34 +86,163 @@ func computeStatus(p *v1alpha1.RateLimitPolicy, obs observation, reconciled bool
 	return st
 }
 
-// readiness tells how many replicas serve the current revision and whether that makes the
-// policy Ready: every desired replica ready and reporting it, no replica reporting another, and
-// the Deployment done rolling out.
-func readiness(obs observation) (serving int32, ready bool, reason, msg string) {
-	if !obs.programmed || obs.deployment == nil {
-		return 0, false, v1alpha1.ReasonNotProgrammed, "the enforcer is not programmed"
+// rejection is why the policy is not accepted, and its words; "" when it is.
+func rejection(p *v1alpha1.RateLimitPolicy, v verdict) (string, string) {
+	switch {
+	case v.invalid != "":
+		return v1alpha1.ReasonInvalid, v.invalid
+	case v.conflictsWith != "":
+		return v1alpha1.ReasonConflicted, fmt.Sprintf("RateLimitPolicy %s already targets Service %s", v.conflictsWith, p.Spec.TargetRef.Name)
 	}
+	return v.rejection, v.rejectionMessage
+}
+
+// setConditions sets the conditions of a policy or a pool from what its reconcile found: why its
+// spec is not accepted (rejection, "" when it is, and its words), its progress, what Programmed
+// says it applied, its readiness and whether it is degraded. It returns the reason kubectl's
+// REASON column shows: that of the first condition that fails, in the order Accepted,
+// Programmed, Ready, Degraded (True); "" when none does.
+func setConditions(set func(t string, ok bool, reason, msg string), rejection, msg string, pr progress, applied string,
+	rd readiness, degraded bool, why, text string) string {
+	accepted := rejection == ""
+	switch {
+	case !accepted:
+		set(v1alpha1.ConditionAccepted, false, rejection, msg)
+		set(v1alpha1.ConditionStalled, true, rejection, msg)
+	case pr.stalled:
+		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
+		set(v1alpha1.ConditionStalled, true, v1alpha1.ReasonApplyFailed, pr.applyErr.Error())
+	default:
+		set(v1alpha1.ConditionAccepted, true, v1alpha1.ReasonAccepted, "the spec is valid")
+		set(v1alpha1.ConditionStalled, false, v1alpha1.ReasonAccepted, "")
+	}
+	first := rejection
+	switch {
+	case !accepted:
+		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonNotAccepted, "nothing is programmed for what is not accepted")
+	case pr.applyErr != nil:
+		set(v1alpha1.ConditionProgrammed, false, v1alpha1.ReasonApplyFailed, pr.applyErr.Error())
+		first = cmpOr(first, v1alpha1.ReasonApplyFailed)
+	case pr.programmed:
+		set(v1alpha1.ConditionProgrammed, true, v1alpha1.ReasonProgrammed, applied)
+	}
+	set(v1alpha1.ConditionReady, rd.ready, rd.reason, rd.message)
+	set(v1alpha1.ConditionReconciling, accepted && !pr.stalled && !rd.ready, rd.reason, rd.message)
+	if !rd.ready {
+		first = cmpOr(first, rd.reason)
+	}
+	set(v1alpha1.ConditionDegraded, degraded, why, text)
+	if degraded {
+		first = cmpOr(first, why)
+	}
+	return first
+}
+
+// cmpOr is a, or b when a is "".
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// readiness is how many replicas serve what they must, and whether that makes their owner Ready:
+// every desired replica ready and serving, none serving another revision nor refusing it, and
+// the Deployment done rolling out. The reason and message name the first replica that does not
+// serve, and why, in its pod's own words where its status has them.
+type readiness struct {
+	serving         int32
+	ready           bool
+	reason, message string
+}
+
+// service is what one ready, reporting replica does with what it must serve.
+type service struct {
+	serves bool
+	// other is what it serves instead ("" for nothing yet), when it serves something to count
+	// among the other revisions; refused is why it refused it; missing why it serves nothing.
+	other            string
+	counted          bool
+	refused, missing string
+}
+
+// policyServes is what a replica does with the policy's current revision.
+func (obs observation) policyServes(r replica) service {
+	switch {
+	case r.refused != "":
+		return service{refused: "replica " + r.pod + " refused it: " + r.refused, other: r.revision, counted: r.revision != ""}
+	case r.revision == obs.revision:
+		return service{serves: true}
+	}
+	return service{other: r.revision, counted: true}
+}
+
+// readiness judges the replicas with serves; head follows the count of those that serve in the
+// message.
+func (pr progress) readiness(serves func(replica) service, head string) readiness {
+	if !pr.programmed || pr.deployment == nil {
+		return readiness{reason: v1alpha1.ReasonNotProgrammed, message: "the enforcers are not programmed"}
+	}
+	var rd readiness
 	others := map[string]int{}
-	var missing, refused []string
-	for _, r := range obs.pods {
+	var refused, named, missing []string
+	var causes []podCause
+	for _, r := range byName(pr.pods) {
+		var s service
+		cause := causeOf(r.object)
 		switch {
+		case cause.reason != "":
+			causes, named = append(causes, cause), append(named, cause.text)
 		case !r.ready:
-			missing = append(missing, r.pod+" is not ready")
+			s.missing = cause.or(r.pod + " is not ready")
 		case r.err != nil:
-			missing = append(missing, r.pod+" did not report: "+r.err.Error())
-		case r.refused != "":
-			refused = append(refused, "replica "+r.pod+" refused it: "+r.refused)
-			if r.revision != "" {
-				others[r.revision]++
-			}
-		case r.revision == obs.revision:
-			serving++
+			s.missing = r.pod + " did not report: " + r.err.Error()
 		default:
-			others[r.revision]++
+			s = serves(r)
 		}
+		if s.serves {
+			rd.serving++
+		}
+		if s.counted {
+			others[s.other]++
+		}
+		refused, missing = appendNonEmpty(refused, s.refused), appendNonEmpty(missing, s.missing)
 	}
+	// The pods whose status names their cause are named first.
+	rd.message = readinessMessage(fmt.Sprintf("%d/%d %s", rd.serving, pr.replicas, head), others, refused, append(named, missing...))
+	d := pr.deployment
+	rolling := d.Status.ObservedGeneration < d.Generation || d.Status.UpdatedReplicas < pr.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
+	switch {
+	case len(refused) > 0:
+		rd.reason = v1alpha1.ReasonRefused
+	case len(causes) > 0:
+		rd.reason = causes[0].reason
+	case pr.pending:
+		rd.reason, rd.message = v1alpha1.ReasonRollingOut, rd.message+"; the enforcers' objects are being applied"
+	case len(others) > 0 || rolling && rd.serving < pr.replicas:
+		rd.reason = v1alpha1.ReasonRollingOut
+	case rd.serving < pr.replicas || d.Status.AvailableReplicas < pr.replicas:
+		rd.reason = v1alpha1.ReasonUnavailable
+	case rolling:
+		rd.reason, rd.message = v1alpha1.ReasonRollingOut, rd.message+"; old replicas are still terminating"
+	default:
+		rd.reason, rd.ready = v1alpha1.ReasonAvailable, true
+	}
+	return rd
+}
+
+func appendNonEmpty(list []string, s string) []string {
+	if s == "" {
+		return list
+	}
+	return append(list, s)
+}
+
+// readinessMessage is head, then how many replicas serve each other revision, the first
+// refusal, and the first replica that serves nothing, and how many more.
+func readinessMessage(head string, others map[string]int, refused, missing []string) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%d/%d replicas serve revision %s", serving, obs.replicas, obs.revision)
+	b.WriteString(head)
 	for _, rev := range slices.Sorted(func(yield func(string) bool) {
 		for rev := range others {
 			if !yield(rev) {
@@ -162,47 +257,94 @@ func readiness(obs observation) (serving int32, ready bool, reason, msg string) 
 		}
 	}
 	if len(refused) > 0 {
-		slices.Sort(refused)
-		fmt.Fprintf(&b, "; %s", refused[0])
+		fmt.Fprintf(&b, "; %s", slices.Min(refused))
 	}
 	if len(missing) > 0 {
-		slices.Sort(missing)
 		fmt.Fprintf(&b, "; %s", missing[0])
 		if len(missing) > 1 {
 			fmt.Fprintf(&b, " (and %d more)", len(missing)-1)
 		}
 	}
-	msg = b.String()
-	d := obs.deployment
-	rolling := d.Status.ObservedGeneration < d.Generation ||
-		d.Status.UpdatedReplicas < obs.replicas || d.Status.Replicas > d.Status.UpdatedReplicas
-	switch {
-	case len(refused) > 0:
-		return serving, false, v1alpha1.ReasonRefused, msg
-	case len(others) > 0 || rolling && serving < obs.replicas:
-		return serving, false, v1alpha1.ReasonRollingOut, msg
-	case serving < obs.replicas || d.Status.AvailableReplicas < obs.replicas:
-		return serving, false, v1alpha1.ReasonUnavailable, msg
-	case rolling:
-		return serving, false, v1alpha1.ReasonRollingOut, msg + "; old replicas are still terminating"
-	}
-	return serving, true, v1alpha1.ReasonAvailable, msg
+	return b.String()
 }
 
-// degradation tells what weakens enforcement: a missing target, a store that a replica cannot
-// use, in that replica's words, or, when no replica reports, a Redis the manager cannot reach.
+// podCause is why a pod does not run ready, as its status says it: the Ready reason that names
+// it, and the pod's name with the scheduler's or the kubelet's reason and message.
+type podCause struct{ reason, text string }
+
+// or is the cause's text, or otherwise when it has none.
+func (c podCause) or(otherwise string) string {
+	if c.text == "" {
+		return otherwise
+	}
+	return c.text
+}
+
+// waitingReasons are the Ready reasons of the reasons a kubelet gives a container that waits.
+var waitingReasons = map[string]string{
+	"ErrImagePull":               v1alpha1.ReasonImagePullFailed,
+	"ImagePullBackOff":           v1alpha1.ReasonImagePullFailed,
+	"InvalidImageName":           v1alpha1.ReasonImagePullFailed,
+	"ErrImageNeverPull":          v1alpha1.ReasonImagePullFailed,
+	"CreateContainerConfigError": v1alpha1.ReasonContainerConfigError,
+	"CreateContainerError":       v1alpha1.ReasonContainerConfigError,
+	"CrashLoopBackOff":           v1alpha1.ReasonCrashLooping,
+}
+
+// causeOf is why a pod is not ready, read from its status as the scheduler and the kubelet
+// write it: the PodScheduled condition False with reason Unschedulable and the scheduler's
+// message; a container waiting, with the kubelet's reason and message (an image that cannot be
+// pulled, a Secret or ConfigMap its config needs that does not exist, a crash loop, with the
+// container's last exit). Nothing for a ready pod, or one whose status says nothing of why (or
+// no pod).
+func causeOf(pod *corev1.Pod) podCause {
+	if pod == nil || podReady(pod) {
+		return podCause{}
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+			return podCause{v1alpha1.ReasonUnschedulable, "pod " + pod.Name + ": " + c.Reason + ": " + c.Message}
+		}
+	}
+	for _, s := range slices.Concat(pod.Status.InitContainerStatuses, pod.Status.ContainerStatuses) {
+		w := s.State.Waiting
+		if w == nil || w.Reason == "" {
+			continue
+		}
+		text := "pod " + pod.Name + ": " + w.Reason
+		if w.Message != "" {
+			text += ": " + w.Message
+		}
+		if t := s.LastTerminationState.Terminated; t != nil && w.Reason == "CrashLoopBackOff" {
+			text += fmt.Sprintf("; container %s last exited with code %d (%s)", s.Name, t.ExitCode, t.Reason)
+			if t.Message != "" {
+				text += ": " + t.Message
+			}
+		}
+		return podCause{waitingReasons[w.Reason], text}
+	}
+	return podCause{}
+}
+
+// degradation tells what weakens enforcement: a store that a replica cannot use, in that
+// replica's words, or, when no replica reports, a Redis the manager cannot reach; or a missing
+// target. A store's failure is told first, whatever else fails.
 func degradation(p *v1alpha1.RateLimitPolicy, obs observation) (bool, string, string) {
-	if obs.targetMissing && obs.pool != "" {
-		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the pool limits requests for nothing"
-	}
+	missing := ""
 	if obs.targetMissing {
-		return true, v1alpha1.ReasonTargetNotFound, "Service " + p.Spec.TargetRef.Name + " does not exist: the enforcer has nothing to forward to"
+		missing = "Service " + p.Spec.TargetRef.Name + " does not exist: the policy's enforcers have no requests to limit"
 	}
-	if reason, msg := storeDegradation(byName(obs.pods)); reason != "" {
+	reason, msg := storeDegradation(byName(obs.pods))
+	if reason == "" && obs.redisUnreachable != "" {
+		reason, msg = v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
+	}
+	switch {
+	case reason != "" && missing != "":
+		return true, reason, msg + "; and " + missing
+	case reason != "":
 		return true, reason, msg
-	}
-	if obs.redisUnreachable != "" {
-		return true, v1alpha1.ReasonRedisUnreachable, obs.redisUnreachable
+	case missing != "":
+		return true, v1alpha1.ReasonTargetNotFound, missing
 	}
 	return false, v1alpha1.ReasonAsExpected, ""
 }
@@ -221,16 +363,49 @@ func storeDegradation(pods []replica) (reason, msg string) {
 		if r.report == nil || r.report.Store.Connected {
 			continue
 		}
-		reason := v1alpha1.ReasonRedisUnreachable
-		switch r.report.Store.Cause {
-		case report.CauseAuthentication:
-			reason = v1alpha1.ReasonRedisAuthenticationFailed
-		case report.CauseTLS:
-			reason = v1alpha1.ReasonRedisTLSFailed
-		}
-		return reason, "replica " + r.pod + ": " + r.report.Store.Message
+		return storeReason(r.report.Store.Cause), "replica " + r.pod + ": " + r.report.Store.Message
 	}
 	return "", ""
+}
+
+// storeReason is the Degraded reason of a store's failure by its cause.
+func storeReason(cause string) string {
+	switch cause {
+	case report.CauseAuthentication:
+		return v1alpha1.ReasonRedisAuthenticationFailed
+	case report.CauseTLS:
+		return v1alpha1.ReasonRedisTLSFailed
+	}
+	return v1alpha1.ReasonRedisUnreachable
+}
+
+// storeHealth is status.enforcer.storeHealth: Connected when every reporting replica's store
+// answers, else the reason of the first that does not; while no replica reports, RedisUnreachable
+// when the manager's probe failed, else "".
+func storeHealth(pods []replica, probe string) string {
+	if reason, _ := storeDegradation(byName(pods)); reason != "" {
+		return reason
+	}
+	if slices.ContainsFunc(pods, func(r replica) bool { return r.report != nil }) {
+		return v1alpha1.StoreConnected
+	}
+	if probe != "" {
+		return v1alpha1.ReasonRedisUnreachable
+	}
+	return ""
+}
+
+// storageKind names where a pool's counters live, for status.
+func storageKind(s *v1alpha1.Storage) string {
+	switch {
+	case s == nil || s.Memory != nil:
+		return report.StoreKind(false, "")
+	case s.ManagedRedis != nil:
+		return "managed-redis"
+	case s.Redis != nil:
+		return report.StoreKind(true, s.Redis.Mode)
+	}
+	return report.StoreKind(false, "")
 }
 
 // maxRuleNames is the length bound of status.ruleNames, its schema's maxLength.

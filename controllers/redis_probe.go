@@ -96,14 +96,14 @@ func SharedProbe(probe RedisProbe, ttl time.Duration, clk clock.PassiveClock) Re
 // sharedProbeTimeout bounds a shared probe, whoever waits for it.
 const sharedProbeTimeout = 5 * time.Second
 
-// probeRedis probes the Redis a policy names in storage.redis, and returns why it is unreachable,
-// or "". A managed Redis is watched through its Deployment instead.
-func (r *RateLimitPolicyReconciler) probeRedis(ctx context.Context, p *v1alpha1.RateLimitPolicy) (string, bool) {
-	if r.ProbeRedis == nil || p.Spec.Storage == nil || p.Spec.Storage.Redis == nil {
+// probeRedis probes the Redis of a pool's storage.redis, and returns why it is unreachable, or
+// "", and whether it probed. A managed Redis is watched through its Deployment instead.
+func (r *RateLimitPolicyReconciler) probeRedis(ctx context.Context, s *v1alpha1.Storage) (string, bool) {
+	if r.ProbeRedis == nil || s == nil || s.Redis == nil {
 		return "", false
 	}
-	addrs := make([]string, len(p.Spec.Storage.Redis.Addresses))
-	for i, a := range p.Spec.Storage.Redis.Addresses {
+	addrs := make([]string, len(s.Redis.Addresses))
+	for i, a := range s.Redis.Addresses {
 		addrs[i] = string(a)
 	}
 	if err := r.ProbeRedis(ctx, addrs); err != nil {

@@ -6,13 +6,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
+	"golang.org/x/sync/singleflight"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/workqueue"
@@ -21,8 +24,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller/priorityqueue"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
 
-	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/report"
 )
@@ -165,110 +168,6 @@ func (h *history) forget(policy types.NamespacedName) {
 	delete(h.policies, policy)
 }
 
-// freshReport is how old a read of a report may be for a reconcile to use it rather than read
-// again: the report ticker's read of a moment ago, which brought the policy.
-const freshReport = time.Second
-
-// reportReaders is how many reports the report ticker reads at once.
-const reportReaders = 16
-
-// reportsSeen is the last read of each enforcer pod's report, by the report ticker or a
-// reconcile, and which policies' counts still move; it lives in the manager's memory.
-type reportsSeen struct {
-	mu     sync.Mutex
-	pods   map[types.UID]seenReport
-	moving map[types.NamespacedName]bool
-}
-
-type seenReport struct {
-	// ip is the pod's address when read.
-	ip     string
-	report *report.Report
-	err    string
-	// at is when the read began.
-	at time.Time
-}
-
-// observe records a read of pod's report that began at, unless a later one is recorded
-// already, and reports whether what it read differs from the previous read: another report, or
-// another error. A pod read for the first time differs.
-func (s *reportsSeen) observe(pod *corev1.Pod, rep *report.Report, err error, at time.Time) bool {
-	read := seenReport{ip: pod.Status.PodIP, report: rep, at: at}
-	if err != nil {
-		read.err = err.Error()
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.pods == nil {
-		s.pods = map[types.UID]seenReport{}
-	}
-	last, ok := s.pods[pod.UID]
-	if ok && last.at.After(at) {
-		return false // a later read is what the policy was, or will be, reconciled with
-	}
-	s.pods[pod.UID] = read
-	return !ok || last.ip != read.ip || last.err != read.err || !sameReport(last.report, read.report)
-}
-
-// fresh returns the last read of pod's report when it began less than freshReport before now,
-// at the pod's current address.
-func (s *reportsSeen) fresh(pod *corev1.Pod, now time.Time) (reportRead, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	read, ok := s.pods[pod.UID]
-	if !ok || read.ip != pod.Status.PodIP || now.Sub(read.at) >= freshReport {
-		return reportRead{}, false
-	}
-	r := reportRead{report: read.report}
-	if read.err != "" {
-		r.err = errors.New(read.err)
-	}
-	return r, true
-}
-
-// keep forgets the pods not in live.
-func (s *reportsSeen) keep(live map[types.UID]bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for uid := range s.pods {
-		if !live[uid] {
-			delete(s.pods, uid)
-		}
-	}
-}
-
-func (s *reportsSeen) setMoving(policy types.NamespacedName, moving bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.moving == nil {
-		s.moving = map[types.NamespacedName]bool{}
-	}
-	if moving {
-		s.moving[policy] = true
-	} else {
-		delete(s.moving, policy)
-	}
-}
-
-func (s *reportsSeen) isMoving(policy types.NamespacedName) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.moving[policy]
-}
-
-func (s *reportsSeen) forget(policy types.NamespacedName) { s.setMoving(policy, false) }
-
-// sameReport tells whether two reports say the same.
-func sameReport(a, b *report.Report) bool {
-	if a == nil || b == nil {
-		return a == b
-	}
-	return a.Version == b.Version && a.Started.Equal(b.Started) && a.Revision == b.Revision && a.RevisionSince.Equal(b.RevisionSince) &&
-		a.ConfigSource == b.ConfigSource && a.Store.Kind == b.Store.Kind && a.Store.Connected == b.Store.Connected &&
-		a.Store.BreakerOpen == b.Store.BreakerOpen && a.Store.Cause == b.Store.Cause && a.Store.Message == b.Store.Message &&
-		a.Store.Since.Equal(b.Store.Since) && slices.Equal(a.Rules, b.Rules)
-}
-
 // counted tells whether any rule counted a decision in the last minute.
 func counted(counts map[string]report.Counters) bool {
 	for _, c := range counts {
@@ -279,82 +178,446 @@ func counted(counts map[string]report.Counters) bool {
 	return false
 }
 
-// reportTicker is the clock of the enforcers' reports. Every ReportInterval it reads the report
-// of every enforcer pod of every policy in the cache, and brings a policy to the reconciler, at
-// low priority, only when one of its replicas says something new (another report, or another
-// reason to have none), or its counts still move through the last minute. A thousand idle
-// policies cost a thousand reads an interval and nothing else: no reconcile, no comparison of
-// objects, no status computed. As a source of the controller it runs where the controller runs:
-// on the leader alone.
-type reportTicker struct{ r *RateLimitPolicyReconciler }
+// reports reads the reports of every pool's replicas, an EnforcerPool's and a pool of one's
+// alike: each replica once every ReportInterval, every pendingRead while a policy of its pool
+// waits for it, and at once when a reconcile finds it never read at its address. It keeps the
+// latest read of each, indexed by policy: a pool of ten thousand policies costs the manager its
+// replicas' reads, not ten thousand. From what changed between two reads of a replica it brings
+// the policies whose entry changed, or whose counts still move, to the policy controller, and
+// the EnforcerPool whose replica says something new of the pool to the pool controller. As a
+// runnable of the manager it runs where the controllers run: on the leader alone.
+type reports struct {
+	r *RateLimitPolicyReconciler
 
-// Start reads the reports every interval until ctx ends.
-func (t reportTicker) Start(ctx context.Context, q workqueue.TypedRateLimitingInterface[reconcile.Request]) error {
-	go func() {
-		tick := time.NewTicker(t.r.reportInterval())
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			for _, key := range t.due(ctx) {
-				if pq, ok := q.(priorityqueue.PriorityQueue[reconcile.Request]); ok {
-					pq.AddWithOpts(priorityqueue.AddOpts{Priority: ptr.To(handler.LowPriority)}, reconcile.Request{NamespacedName: key})
-				} else {
-					q.Add(reconcile.Request{NamespacedName: key})
-				}
-			}
-		}
-	}()
-	return nil
+	mu sync.Mutex
+	// pods are the latest read of each enforcer pod.
+	pods map[types.UID]*read
+	// pending are the pools with a policy that waits for their replicas, until when to hurry.
+	pending map[types.NamespacedName]time.Time
+	// moving are the policies whose counts of the last minute still move with the clock.
+	moving map[types.NamespacedName]bool
+	// flight reads a replica that reconciles find unread once, however many ask at once.
+	flight singleflight.Group
 }
 
-// due reads every report once and returns the policies to reconcile.
-func (t reportTicker) due(ctx context.Context) []types.NamespacedName {
-	var policies v1alpha1.RateLimitPolicyList
-	if err := t.r.List(ctx, &policies, client.UnsafeDisableDeepCopy); err != nil {
-		return nil
+// read is one read of a replica's report.
+type read struct {
+	// home is the key of the replica's pool, ip its address when read, at when the read began.
+	home types.NamespacedName
+	ip   string
+	at   time.Time
+	// report is what it said, or err why there is none.
+	report *report.Report
+	err    error
+	// entries are what the report says of each policy, by ID.
+	entries map[string]*entry
+}
+
+// entry is what a replica says of one policy: the revision it serves, the revision it refused
+// and why, and its rules' counters.
+type entry struct {
+	served  *report.PolicyServed
+	refused *report.PolicyRefused
+	rules   []report.Rule
+}
+
+func (a *entry) equal(b *entry) bool {
+	if a == nil || b == nil {
+		return a == b
 	}
-	type read struct {
-		policy types.NamespacedName
-		pod    *corev1.Pod
+	return ptr.Equal(a.served, b.served) && ptr.Equal(a.refused, b.refused) && slices.Equal(a.rules, b.rules)
+}
+
+// Why a replica has no report to say anything with.
+var (
+	errNoIP    = errors.New("the pod has no IP yet")
+	errNotRead = errors.New("its report was not read yet")
+)
+
+// pendingRead is how often a pool's replicas are read while a policy waits for them.
+const pendingRead = 500 * time.Millisecond
+
+// pendingFor is how long a pool stays hurried after a policy last said it waits.
+const pendingFor = 30 * time.Second
+
+// reportReaders is how many reports are read at once.
+const reportReaders = 16
+
+func newReports(r *RateLimitPolicyReconciler) *reports {
+	return &reports{r: r, pods: map[types.UID]*read{}, pending: map[types.NamespacedName]time.Time{}, moving: map[types.NamespacedName]bool{}}
+}
+
+// Start reads the reports until ctx ends.
+func (s *reports) Start(ctx context.Context) error {
+	tick := time.NewTicker(min(pendingRead, s.r.reportInterval()))
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+		var pods corev1.PodList // the cache holds enforcer pods alone
+		if err := s.r.List(ctx, &pods, client.UnsafeDisableDeepCopy); err == nil {
+			s.readAll(ctx, s.due(pods.Items, time.Now()))
+		}
 	}
-	var reads []read
-	live := map[types.UID]bool{}
-	for i := range policies.Items {
-		p := &policies.Items[i]
-		pods, err := t.r.enforcerPods(ctx, p)
-		if err != nil {
+}
+
+// wait says that a policy of the pool waits for its replicas: they are read every pendingRead
+// for a while.
+func (s *reports) wait(pool types.NamespacedName) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pending[pool] = time.Now().Add(pendingFor)
+}
+
+// due are the live replicas whose read is due at now; the reads of pods that are gone are
+// forgotten.
+func (s *reports) due(pods []corev1.Pod, now time.Time) []*corev1.Pod {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	seen := map[types.UID]bool{}
+	var due []*corev1.Pod
+	for i := range pods {
+		pod := &pods[i]
+		key, ok := homeKeyOf(pod)
+		if !ok || !live(pod) {
 			continue
 		}
-		for _, pod := range pods {
-			live[pod.UID] = true
-			if pod.Status.PodIP != "" {
-				reads = append(reads, read{client.ObjectKeyFromObject(p), pod})
-			}
+		seen[pod.UID] = true
+		every := s.r.reportInterval()
+		if until, ok := s.pending[key]; ok && now.Before(until) {
+			every = pendingRead
+		}
+		if last := s.pods[pod.UID]; pod.Status.PodIP != "" && (last == nil || last.ip != pod.Status.PodIP || now.Sub(last.at) >= every-pendingRead/2) {
+			due = append(due, pod)
 		}
 	}
-	changed := make([]bool, len(reads))
-	readers := make(chan struct{}, reportReaders)
-	var wg sync.WaitGroup
-	for i, rd := range reads {
-		readers <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-readers }()
-			changed[i] = t.r.readReport(ctx, rd.pod).changed
-		})
+	for uid := range s.pods {
+		if !seen[uid] {
+			delete(s.pods, uid)
+		}
 	}
-	wg.Wait()
-	t.r.mem.reports.keep(live)
-	var due []types.NamespacedName
-	seen := map[types.NamespacedName]bool{}
-	for i, rd := range reads {
-		if !seen[rd.policy] && (changed[i] || t.r.mem.reports.isMoving(rd.policy)) {
-			seen[rd.policy] = true
-			due = append(due, rd.policy)
+	for pool, until := range s.pending {
+		if now.After(until) {
+			delete(s.pending, pool)
 		}
 	}
 	return due
+}
+
+// readAll reads the pods' reports, reportReaders at a time, and brings what changed to the
+// controllers.
+func (s *reports) readAll(ctx context.Context, pods []*corev1.Pod) {
+	policies, pools := map[types.NamespacedName]bool{}, map[types.NamespacedName]bool{}
+	var mu sync.Mutex
+	readers := make(chan struct{}, reportReaders)
+	var wg sync.WaitGroup
+	for _, pod := range pods {
+		readers <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-readers }()
+			changed, summaryChanged := s.read(ctx, pod)
+			mu.Lock()
+			defer mu.Unlock()
+			for _, p := range changed {
+				policies[p] = true
+			}
+			// Only an EnforcerPool has a status of its own to tell it in.
+			if name := render.PoolOfPod(pod); summaryChanged && name != "" {
+				pools[types.NamespacedName{Namespace: pod.Namespace, Name: name}] = true
+			}
+		})
+	}
+	wg.Wait()
+	s.r.mem.policyQueue.add(policies)
+	s.r.mem.poolQueue.add(pools)
+}
+
+// read reads a replica's report and records it (see record).
+func (s *reports) read(ctx context.Context, pod *corev1.Pod) ([]types.NamespacedName, bool) {
+	started := time.Now()
+	rep, err := s.r.readReport(ctx, pod)
+	return s.record(pod, rep, err, started)
+}
+
+// record records a read of a replica's report that began at started, unless a later read is
+// recorded already, and returns the policies whose entry changed since the replica's previous
+// read, whose counts still move, or, when what it says of its store changed, all it names; and
+// whether what the report says of its pool changed.
+func (s *reports) record(pod *corev1.Pod, rep *report.Report, err error, started time.Time) ([]types.NamespacedName, bool) {
+	key, _ := homeKeyOf(pod)
+	next := &read{home: key, ip: pod.Status.PodIP, at: started, report: rep, err: err, entries: entries(rep, key)}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	prev := s.pods[pod.UID]
+	if prev != nil && prev.at.After(started) {
+		return nil, false // a later read is what the policies were, or will be, reconciled with
+	}
+	s.pods[pod.UID] = next
+	store := prev == nil || prev.ip != next.ip || storeOf(prev) != storeOf(next)
+	changed := map[types.NamespacedName]bool{}
+	for id, e := range next.entries {
+		var old *entry
+		if prev != nil {
+			old = prev.entries[id]
+		}
+		if key := policyKey(id); store || !e.equal(old) || s.moving[key] {
+			changed[key] = true
+		}
+	}
+	if prev != nil {
+		for id := range prev.entries {
+			if _, ok := next.entries[id]; !ok || store {
+				changed[policyKey(id)] = true
+			}
+		}
+	}
+	return slices.Collect(maps.Keys(changed)), prev == nil || summary(prev) != summary(next)
+}
+
+// storeOf is what a read says of the replica's store, which its policies' status tells: why
+// there is no report, or the store's health.
+func storeOf(rd *read) string {
+	if rd.err != nil {
+		return "error: " + rd.err.Error()
+	}
+	st := rd.report.Store
+	return fmt.Sprintf("%v %v %s %s", st.Connected, st.BreakerOpen, st.Cause, st.Message)
+}
+
+// readNew reads at once, and records, the reports of the pods that have an address and no read
+// at it: a replica just started, or every replica after the manager started.
+func (s *reports) readNew(ctx context.Context, pods []*corev1.Pod) {
+	var unread []*corev1.Pod
+	s.mu.Lock()
+	for _, pod := range pods {
+		if rd := s.pods[pod.UID]; pod.Status.PodIP != "" && (rd == nil || rd.ip != pod.Status.PodIP) {
+			unread = append(unread, pod)
+		}
+	}
+	s.mu.Unlock()
+	if len(unread) == 0 {
+		return
+	}
+	policies := map[types.NamespacedName]bool{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, pod := range unread {
+		wg.Go(func() {
+			changed, _, _ := s.flight.Do(string(pod.UID)+"@"+pod.Status.PodIP, func() (any, error) {
+				// The read is the replica's, not the reconcile's that asked first: it outlives it.
+				changed, _ := s.read(context.WithoutCancel(ctx), pod)
+				return changed, nil
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			for _, p := range changed.([]types.NamespacedName) {
+				policies[p] = true
+			}
+		})
+	}
+	wg.Wait()
+	s.r.mem.policyQueue.add(policies)
+}
+
+// summary is what a pool's status takes from a replica's read: whether it reports, is synced,
+// its store's health, how many policies it serves, and which it refuses.
+func summary(rd *read) string {
+	if rd.err != nil {
+		return "error: " + rd.err.Error()
+	}
+	r := rd.report
+	var b strings.Builder
+	fmt.Fprintf(&b, "%v %d %+v", r.Synced, len(r.Policies), r.Store)
+	for _, f := range r.Refused {
+		b.WriteString(" " + f.Policy + "@" + f.Revision)
+	}
+	return b.String()
+}
+
+// entries indexes a replica's report by policy. The replica of a pool of one (key) tells the
+// revision of its one policy at the top of its report, as an enforcer of one policy does.
+func entries(r *report.Report, key types.NamespacedName) map[string]*entry {
+	if r == nil {
+		return nil
+	}
+	out := make(map[string]*entry, len(r.Policies)+1)
+	get := func(id string) *entry {
+		e := out[id]
+		if e == nil {
+			e = &entry{}
+			out[id] = e
+		}
+		return e
+	}
+	if p, one := policyOfOne(key); one && r.Revision != "" {
+		get(p.String()).served = &report.PolicyServed{Policy: p.String(), Revision: r.Revision, Since: r.RevisionSince}
+	}
+	for i := range r.Policies {
+		get(r.Policies[i].Policy).served = &r.Policies[i]
+	}
+	for i := range r.Refused {
+		get(r.Refused[i].Policy).refused = &r.Refused[i]
+	}
+	// The rules come in policy order: each policy's are one run of the list.
+	for i := 0; i < len(r.Rules); {
+		j := i + 1
+		for j < len(r.Rules) && r.Rules[j].Policy == r.Rules[i].Policy {
+			j++
+		}
+		get(r.Rules[i].Policy).rules = r.Rules[i:j:j]
+		i = j
+	}
+	return out
+}
+
+// replicas are the pool's live pods as last read, each with what it says of the policy id ("" for
+// none) and of its revision rev. A pod never read at its address is read first.
+func (s *reports) replicas(ctx context.Context, pool types.NamespacedName, id, rev string) ([]replica, error) {
+	pods, err := s.r.homePods(ctx, pool)
+	if err != nil {
+		return nil, err
+	}
+	s.readNew(ctx, pods)
+	out := make([]replica, 0, len(pods))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, pod := range pods {
+		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), object: pod}
+		rd := s.pods[pod.UID]
+		switch {
+		case pod.Status.PodIP == "":
+			rep.err = errNoIP
+		case rd == nil || rd.ip != pod.Status.PodIP:
+			rep.err = errNotRead
+		case rd.err != nil:
+			rep.err = rd.err
+		default:
+			rep.report = rd.report
+		}
+		if e := rd.entryOf(id); rep.report != nil && e != nil {
+			rep.rules = e.rules
+			if e.served != nil {
+				rep.revision = e.served.Revision
+			}
+			if e.refused != nil && e.refused.Revision == rev {
+				rep.refused = e.refused.Reason
+			}
+		}
+		out = append(out, rep)
+	}
+	return out, nil
+}
+
+// homePods are a pool's enforcer pods that are not terminating nor done, by name, found through
+// the cache's index.
+func (r *RateLimitPolicyReconciler) homePods(ctx context.Context, key types.NamespacedName) ([]*corev1.Pod, error) {
+	var pods corev1.PodList
+	if err := r.List(ctx, &pods, client.InNamespace(key.Namespace), client.MatchingFields{podHomeIndex: key.String()}, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, err
+	}
+	var running []*corev1.Pod
+	for i := range pods.Items {
+		pod := &pods.Items[i]
+		// A label value cut and hashed may, however unlikely, be another long name's too.
+		if k, _ := homeKeyOf(pod); k != key || !live(pod) {
+			continue
+		}
+		running = append(running, pod)
+	}
+	slices.SortFunc(running, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
+	return running, nil
+}
+
+// live tells whether a pod is neither terminating nor done.
+func live(pod *corev1.Pod) bool {
+	return pod.DeletionTimestamp == nil && pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed
+}
+
+// entryOf is what the read says of the policy id, nil when nothing.
+func (rd *read) entryOf(id string) *entry {
+	if rd == nil || id == "" {
+		return nil
+	}
+	return rd.entries[id]
+}
+
+func (s *reports) setMoving(policy types.NamespacedName, moving bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if moving {
+		s.moving[policy] = true
+	} else {
+		delete(s.moving, policy)
+	}
+}
+
+// queue is a controller's work queue, once its source has started: the report reader and the
+// pool reconciler bring it what no watch announces.
+type queue struct {
+	mu sync.Mutex
+	q  workqueue.TypedRateLimitingInterface[reconcile.Request]
+}
+
+// source is the controller's source that hands its queue over.
+func (q *queue) source() source.TypedSource[reconcile.Request] {
+	return source.Func(func(_ context.Context, wq workqueue.TypedRateLimitingInterface[reconcile.Request]) error {
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		q.q = wq
+		return nil
+	})
+}
+
+// add adds each key, at low priority: these reconciles only refresh what replicas say.
+func (q *queue) add(keys map[types.NamespacedName]bool) {
+	q.mu.Lock()
+	wq := q.q
+	q.mu.Unlock()
+	if wq == nil {
+		return
+	}
+	for key := range keys {
+		if pq, ok := wq.(priorityqueue.PriorityQueue[reconcile.Request]); ok {
+			pq.AddWithOpts(priorityqueue.AddOpts{Priority: ptr.To(handler.LowPriority)}, reconcile.Request{NamespacedName: key})
+		} else {
+			wq.Add(reconcile.Request{NamespacedName: key})
+		}
+	}
+}
+
+// reportTimeout bounds the reading of one enforcer's report.
+const reportTimeout = 2 * time.Second
+
+// readReport reads the report of one enforcer pod and counts the read.
+func (r *RateLimitPolicyReconciler) readReport(ctx context.Context, pod *corev1.Pod) (*report.Report, error) {
+	fetch := r.FetchReport
+	if fetch == nil {
+		fetch = defaultFetch
+	}
+	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	defer cancel()
+	rep, err := fetch(ctx, pod)
+	reportReads.Inc()
+	if err != nil {
+		reportFailures.WithLabelValues(reportFailureReason(err)).Inc()
+	}
+	return rep, err
+}
+
+// defaultFetch keeps a connection to every enforcer between reads: net/http's default of 100
+// idle connections in all would dial most of a thousand enforcers anew every interval.
+var defaultFetch = FetchReport(&http.Client{Timeout: reportTimeout, Transport: &http.Transport{
+	MaxIdleConns: 0, MaxIdleConnsPerHost: 2, IdleConnTimeout: 90 * time.Second,
+}})
+
+func podReady(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

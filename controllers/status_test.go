@@ -15,18 +15,28 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/internal/render"
 	"github.com/sluice-dev/sluice/internal/report"
 )
 
 var t0 = time.Unix(1_700_000_000, 0)
 
+// testHome is the pool of one of a policy p with two replicas of the image img on Redis.
+func testHome() *home {
+	return oneHome(&v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "uid-p", Generation: 3},
+		Spec: v1alpha1.RateLimitPolicySpec{
+			Enforcer: &v1alpha1.EnforcerSpec{Replicas: ptr.To[int32](2), Image: "img"},
+			Storage:  &v1alpha1.Storage{Redis: &v1alpha1.RedisStorage{Addresses: []v1alpha1.HostPort{"redis:6379"}}},
+		}}, render.Defaults{})
+}
+
 // A condition transitions at the time of the observation that changed it, and keeps that time
 // while its status holds.
 func TestComputeStatusWhenAConditionChangesThenItTransitionsAtTheObservationsTime(t *testing.T) {
 	p := &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Generation: 1}}
-	p.Status = computeStatus(p, observation{invalid: "spec.rules: Required value"}, true, t0)
+	p.Status = computeStatus(p, observation{verdict: verdict{invalid: "spec.rules: Required value"}}, true, t0)
 	later := t0.Add(time.Hour)
-	p.Status = computeStatus(p, observation{invalid: "spec.rules[0].name: Required value"}, true, later)
+	p.Status = computeStatus(p, observation{verdict: verdict{invalid: "spec.rules[0].name: Required value"}}, true, later)
 	if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionAccepted); !c.LastTransitionTime.Time.Equal(t0) {
 		t.Errorf("Accepted stayed False but moved to %v, want %v", c.LastTransitionTime, t0)
 	}
@@ -45,9 +55,9 @@ func TestComputeStatusWhenApplyFailsThenStalledOnlyWhenFinal(t *testing.T) {
 		stalled, reconciling bool
 	}{
 		{"when the error is final then Stalled and not Reconciling",
-			observation{applyErr: errors.New("ConfigMap x exists and is not owned by this policy"), stalled: true}, true, false},
+			observation{progress: progress{applyErr: errors.New("ConfigMap x exists and is not owned by this policy"), stalled: true}}, true, false},
 		{"when the error is transient then Reconciling and not Stalled",
-			observation{applyErr: errors.New("etcdserver: request timed out")}, false, true},
+			observation{progress: progress{applyErr: errors.New("etcdserver: request timed out")}}, false, true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -79,8 +89,7 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 		return replica{pod: pod, ready: true, revision: revision, report: &report.Report{Revision: revision, Store: report.Store{Connected: true}}}
 	}
 	observe := func(d *appsv1.Deployment, pods ...replica) observation {
-		return observation{programmed: true, revision: "r1", service: "sluice-p", replicas: 2, image: "img", storage: "redis-standalone",
-			deployment: d, pods: pods}
+		return observation{verdict: verdict{home: testHome()}, revision: "r1", progress: progress{programmed: true, replicas: 2, deployment: d, pods: pods}}
 	}
 	both := []replica{serving("p-a", "r1"), serving("p-b", "r1")}
 	rolling := ready(2)
@@ -114,11 +123,11 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 			v1alpha1.ConditionReady:       {"True", v1alpha1.ReasonAvailable, "2/2 replicas serve revision r1"},
 			v1alpha1.ConditionDegraded:    {"False", v1alpha1.ReasonAsExpected, ""},
 			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonAvailable, ""}, v1alpha1.ConditionStalled: {"False", v1alpha1.ReasonAccepted, ""}}, "2/2"},
-		{"when the spec is invalid then not Accepted and Stalled", observation{invalid: "spec.rules: Required value"}, map[string]cond{
+		{"when the spec is invalid then not Accepted and Stalled", observation{verdict: verdict{invalid: "spec.rules: Required value"}}, map[string]cond{
 			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonInvalid, ""}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonInvalid, ""},
 			v1alpha1.ConditionProgrammed: {"False", v1alpha1.ReasonNotAccepted, ""}, v1alpha1.ConditionReady: {"False", v1alpha1.ReasonNotProgrammed, ""},
 			v1alpha1.ConditionReconciling: {"False", v1alpha1.ReasonNotProgrammed, ""}}, ""},
-		{"when an older policy targets the Service then Conflicted and Stalled", observation{conflictsWith: "older"}, map[string]cond{
+		{"when an older policy targets the Service then Conflicted and Stalled", observation{verdict: verdict{conflictsWith: "older"}}, map[string]cond{
 			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonConflicted, ""}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonConflicted, ""}}, ""},
 		{"when a replica still serves the previous revision then RollingOut", observe(ready(2), serving("p-a", "r1"), serving("p-b", "r0")), map[string]cond{
 			v1alpha1.ConditionReady:       {"False", v1alpha1.ReasonRollingOut, "1/2 replicas serve revision r1; 1 serves r0"},
@@ -150,10 +159,10 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 		{"when a pool's replica does not serve the policy yet then RollingOut", observe(ready(2), serving("p-a", "r1"),
 			replica{pod: "p-b", ready: true, report: &report.Report{Store: report.Store{Connected: true}}}), map[string]cond{
 			v1alpha1.ConditionReady: {"False", v1alpha1.ReasonRollingOut, "1/2 replicas serve revision r1; 1 does not serve it yet"}}, "1/2"},
-		{"when the pool does not exist then not Accepted and Stalled", observation{poolRejection: v1alpha1.ReasonPoolNotFound, poolMessage: "EnforcerPool gw/x does not exist"}, map[string]cond{
+		{"when the pool does not exist then not Accepted and Stalled", observation{verdict: verdict{rejection: v1alpha1.ReasonPoolNotFound, rejectionMessage: "EnforcerPool gw/x does not exist"}}, map[string]cond{
 			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonPoolNotFound, "EnforcerPool gw/x does not exist"}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonPoolNotFound, ""},
 			v1alpha1.ConditionProgrammed: {"False", v1alpha1.ReasonNotAccepted, ""}}, ""},
-		{"when the pool does not admit the namespace then not Accepted and Stalled", observation{poolRejection: v1alpha1.ReasonNotAllowedByPool, poolMessage: "no"}, map[string]cond{
+		{"when the pool does not admit the namespace then not Accepted and Stalled", observation{verdict: verdict{rejection: v1alpha1.ReasonNotAllowedByPool, rejectionMessage: "no"}}, map[string]cond{
 			v1alpha1.ConditionAccepted: {"False", v1alpha1.ReasonNotAllowedByPool, "no"}, v1alpha1.ConditionStalled: {"True", v1alpha1.ReasonNotAllowedByPool, ""}}, ""},
 		{"when no replica reports then the manager's probe speaks", probeOnly, map[string]cond{
 			v1alpha1.ConditionDegraded: {"True", v1alpha1.ReasonRedisUnreachable, "dial tcp 10.0.0.1:6379: i/o timeout"}}, "0/2"},
@@ -171,9 +180,8 @@ func TestComputeStatusWhenObservedThenEveryConditionAndReason(t *testing.T) {
 			if st.ObservedGeneration != 3 {
 				t.Errorf("observedGeneration = %d, want 3", st.ObservedGeneration)
 			}
-			readyCond := meta.FindStatusCondition(st.Conditions, v1alpha1.ConditionReady)
-			if wantReason := map[bool]string{true: "", false: readyCond.Reason}[readyCond.Status == metav1.ConditionTrue]; st.Reason != wantReason {
-				t.Errorf("status.reason = %q, want %q", st.Reason, wantReason)
+			if want := firstFailing(st.Conditions); st.Reason != want {
+				t.Errorf("status.reason = %q, want %q", st.Reason, want)
 			}
 			if !c.obs.programmed {
 				return
@@ -300,4 +308,18 @@ func TestRuleNamesWhenTheRulesAreListedThenAllFitOrTheRestAreCounted(t *testing.
 			}
 		})
 	}
+}
+
+// firstFailing is the reason of the first condition that fails, in the order Accepted (False),
+// Programmed (False), Ready (False), Degraded (True): what kubectl's REASON column shows.
+func firstFailing(conds []metav1.Condition) string {
+	for _, f := range []struct {
+		typ    string
+		status metav1.ConditionStatus
+	}{{v1alpha1.ConditionAccepted, "False"}, {v1alpha1.ConditionProgrammed, "False"}, {v1alpha1.ConditionReady, "False"}, {v1alpha1.ConditionDegraded, "True"}} {
+		if c := meta.FindStatusCondition(conds, f.typ); c != nil && c.Status == f.status {
+			return c.Reason
+		}
+	}
+	return ""
 }

@@ -64,6 +64,19 @@ const (
 	// ReasonRefused: an enforcer replica refused the policy's current config, such as one that
 	// does not load; the message is the replica's. In a pool the other policies keep serving.
 	ReasonRefused = "Refused"
+	// ReasonUnschedulable: an enforcer pod cannot be scheduled; the message is the scheduler's
+	// (its PodScheduled condition).
+	ReasonUnschedulable = "Unschedulable"
+	// ReasonImagePullFailed: an enforcer pod's image cannot be pulled (ErrImagePull,
+	// ImagePullBackOff, InvalidImageName); the message is the kubelet's.
+	ReasonImagePullFailed = "ImagePullFailed"
+	// ReasonContainerConfigError: the kubelet cannot create an enforcer container from its spec,
+	// such as for a Secret or ConfigMap it needs that does not exist (CreateContainerConfigError);
+	// the message is the kubelet's.
+	ReasonContainerConfigError = "ContainerConfigError"
+	// ReasonCrashLooping: an enforcer container keeps exiting (CrashLoopBackOff); the message is
+	// the kubelet's, with the container's last exit code and reason.
+	ReasonCrashLooping = "CrashLooping"
 )
 
 // Reasons of the Degraded condition.
@@ -86,3 +99,8 @@ const (
 	// status.policies.refusedPolicies names them.
 	ReasonPoliciesRefused = "PoliciesRefused"
 )
+
+// StoreConnected is status.enforcer.storeHealth when every replica that reports says its store
+// answers; otherwise it is the Degraded reason of the first that does not (RedisUnreachable,
+// RedisAuthenticationFailed, RedisTLSFailed).
+const StoreConnected = "Connected"

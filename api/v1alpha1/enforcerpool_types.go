@@ -184,7 +184,8 @@ type EnforcerPoolStatus struct {
 	// +kubebuilder:validation:MaxLength=32
 	Storage string `json:"storage,omitempty"`
 
-	// reason is the Ready condition's reason while Ready is not True, for kubectl get.
+	// reason is the reason of the first condition that fails, in the order Accepted (False),
+	// Programmed (False), Ready (False), Degraded (True), for kubectl get; empty when none does.
 	// +optional
 	// +kubebuilder:validation:MaxLength=64
 	Reason string `json:"reason,omitempty"`

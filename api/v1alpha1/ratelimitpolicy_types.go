@@ -17,6 +17,7 @@ import (
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.enforcer.ready`
 // +kubebuilder:printcolumn:name="Limited",type=string,JSONPath=`.status.limited`
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.reason`
+// +kubebuilder:printcolumn:name="Store",type=string,JSONPath=`.status.enforcer.storeHealth`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 // +kubebuilder:printcolumn:name="Storage",type=string,JSONPath=`.status.enforcer.storage`,priority=1
 // +kubebuilder:printcolumn:name="Revision",type=string,JSONPath=`.status.enforcer.configRevision`,priority=1
@@ -988,7 +989,8 @@ type RateLimitPolicyStatus struct {
 	// +optional
 	Enforcer *EnforcerStatus `json:"enforcer,omitempty"`
 
-	// reason is the Ready condition's reason while Ready is not True, for kubectl get.
+	// reason is the reason of the first condition that fails, in the order Accepted (False),
+	// Programmed (False), Ready (False), Degraded (True), for kubectl get; empty when none does.
 	// +optional
 	// +kubebuilder:validation:MaxLength=64
 	Reason string `json:"reason,omitempty"`
@@ -1098,4 +1100,12 @@ type EnforcerStatus struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=64
 	ConfigRevision string `json:"configRevision,omitempty"`
+
+	// storeHealth is the health of the store as the replicas report it: Connected when every
+	// replica that reports says its store answers, otherwise why the first does not
+	// (RedisUnreachable, RedisAuthenticationFailed, RedisTLSFailed); while no replica reports,
+	// RedisUnreachable when the manager's probe of storage.redis fails. Empty while nothing says.
+	// +optional
+	// +kubebuilder:validation:MaxLength=32
+	StoreHealth string `json:"storeHealth,omitempty"`
 }

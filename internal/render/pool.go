@@ -13,22 +13,108 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/internal/report"
 	"github.com/sluice-dev/sluice/internal/settings"
 )
 
-// PoolObjects are the desired objects of one EnforcerPool, in apply order: its Workload, whose
-// Service has the check, RLS and admin ports and no proxy. The policies' configs are not among
-// them: each policy renders its own (PoolConfigMap).
-type PoolObjects struct {
-	Workload
+// A Pool is a set of enforcers and the policies they serve, rendered by one code: an
+// EnforcerPool, whose enforcers serve every policy whose config carries its label, through the
+// check API and Envoy's rate limit service; or the pool of one that serves a policy without
+// spec.enforcer.poolRef, whose enforcers also proxy to its target. The two differ only in what
+// their constructors, PoolOf and OneOf, put in it.
+type Pool struct {
+	// ID is the EnforcerPool's "<namespace>/<name>", "" for a pool of one: what its policies'
+	// status.enforcer.pool says.
+	ID string
+	// Namespace and Name are those of its objects: the Deployment, the Service clients send to.
+	Namespace, Name string
+	// Replicas, Image and Storage are its enforcers' (Storage nil: memory).
+	Replicas int32
+	Image    string
+	Storage  *v1alpha1.Storage
+
+	// pool is the EnforcerPool, nil for a pool of one; policy is the pool of one's policy.
+	pool   *v1alpha1.EnforcerPool
+	policy *v1alpha1.RateLimitPolicy
 }
 
-// All are the objects that exist for the pool.
-func (o *PoolObjects) All() []client.Object { return o.objects() }
+// PoolOf is the EnforcerPool p.
+func PoolOf(p *v1alpha1.EnforcerPool, d Defaults) *Pool {
+	return &Pool{ID: p.Namespace + "/" + p.Name, Namespace: p.Namespace, Name: PoolName(p), Replicas: PoolReplicas(p),
+		Image: PoolImage(p, d), Storage: p.Spec.Storage, pool: p}
+}
+
+// OneOf is the pool of one of policy p, shaped by its spec.enforcer and spec.storage.
+func OneOf(p *v1alpha1.RateLimitPolicy, d Defaults) *Pool {
+	image := d.EnforcerImage
+	if e := p.Spec.Enforcer; e != nil && e.Image != "" {
+		image = e.Image
+	}
+	return &Pool{Namespace: p.Namespace, Name: Name(p), Replicas: Replicas(p), Image: image, Storage: p.Spec.Storage, policy: p}
+}
+
+// Config renders policy p's config where the pool's enforcers read it, and its revision: in an
+// EnforcerPool, a ConfigMap of the pool's namespace labelled with the pool (PoolConfigMap); in
+// a pool of one, the ConfigMap its Deployment mounts and its enforcers watch, named as its other
+// objects, in which targetRef.appProtocol is the target Service port's when the spec names none
+// (target is nil when the Service does not exist).
+func (pl *Pool) Config(p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*corev1.ConfigMap, string, error) {
+	if pl.pool != nil {
+		return PoolConfigMap(p, pl.pool)
+	}
+	config, err := policyFile(withServiceProtocol(p, target))
+	if err != nil {
+		return nil, "", err
+	}
+	rev := report.Revision(config)
+	return &corev1.ConfigMap{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
+		ObjectMeta: policyOwner(p).meta(pl.Name, policyLabels(p), map[string]string{RevisionAnnotation: rev}),
+		Data:       map[string]string{configKey: string(config)},
+	}, rev, nil
+}
+
+// Objects renders the pool's enforcers: the identity that lets them read their configs, the
+// Deployment, its Service, budget and NetworkPolicy, the managed Redis, and a pool of one's
+// bypass protection, drawn around its target (nil when the Service does not exist). A pool of
+// one's Deployment is annotated with the revision of the config it serves. An error that wraps
+// ErrBypassProtection says that no bypass protection can be drawn around the target.
+func (pl *Pool) Objects(d Defaults, target *corev1.Service) (*PoolObjects, error) {
+	w, c, err := pl.workload(target)
+	if err != nil {
+		return nil, err
+	}
+	o := &PoolObjects{}
+	o.ServiceAccount, o.Role, o.RoleBinding = w.identity()
+	if s := pl.Storage; s != nil && s.Redis != nil {
+		c.redis(s.Redis)
+	}
+	if s := pl.Storage; s != nil && s.ManagedRedis != nil {
+		o.RedisDeployment, o.RedisService, o.RedisPDB, o.RedisNetworkPolicy = w.managedRedis(c, s.ManagedRedis, d)
+	}
+	o.Deployment, o.Service, o.PDB, o.NetworkPolicy = w.enforcer(c, d)
+	if pl.policy == nil {
+		return o, nil
+	}
+	o.Bypass, err = Bypass(pl.policy, target)
+	return o, err
+}
+
+// workload is what the pool's objects are made from, and its enforcer container's arguments
+// before those of its store.
+func (pl *Pool) workload(target *corev1.Service) (*workload, *pod, error) {
+	if pl.pool != nil {
+		return poolWorkload(pl), poolPod(pl.pool), nil
+	}
+	p := withServiceProtocol(pl.policy, target)
+	config, err := policyFile(p)
+	if err != nil {
+		return nil, nil, err
+	}
+	return oneWorkload(p, pl, report.Revision(config)), enforcerPod(p, pl.Name), nil
+}
 
 // PoolName is the name of the pool's objects: "sluice-pool-<pool>", made a DNS-1035 label as
 // Name makes a policy's.
@@ -74,11 +160,11 @@ func PoolImage(p *v1alpha1.EnforcerPool, d Defaults) string {
 	return d.EnforcerImage
 }
 
-// Pool renders the pool's objects: its enforcers serve the check API and Envoy's rate limit
+// poolWorkload is an EnforcerPool's: its enforcers serve the check API and Envoy's rate limit
 // service for every policy whose ConfigMap carries the pool's label in its namespace, and read
 // nothing else.
-func Pool(p *v1alpha1.EnforcerPool, d Defaults) *PoolObjects {
-	name := PoolName(p)
+func poolWorkload(pl *Pool) *workload {
+	p := pl.pool
 	ports := []corev1.ContainerPort{
 		{Name: "check", ContainerPort: CheckPort, Protocol: corev1.ProtocolTCP},
 		{Name: "rls", ContainerPort: RLSPort, Protocol: corev1.ProtocolTCP},
@@ -95,10 +181,11 @@ func Pool(p *v1alpha1.EnforcerPool, d Defaults) *PoolObjects {
 		annotations = map[string]string{PoolAnnotation: p.Name}
 	}
 	w := &workload{
-		owner: poolOwner(p), name: name,
+		owner: poolOwner(p), name: pl.Name,
 		labels: map[string]string{labelName: EnforcerPodLabelValue, report.PoolLabel: report.LabelValue(p.Name), labelManagedBy: "sluice",
 			labelComponent: "pool"},
-		podLabels: PoolPodLabels(p), podAnnotations: annotations, replicas: PoolReplicas(p), image: PoolImage(p, d),
+		podLabels: PoolPodLabels(p), podAnnotations: annotations, replicas: pl.Replicas, image: pl.Image,
+		redisPodLabels: map[string]string{labelName: "sluice-redis", report.PoolLabel: report.LabelValue(p.Name)},
 		resources: corev1.ResourceRequirements{
 			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
 			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("1Gi")},
@@ -112,9 +199,13 @@ func Pool(p *v1alpha1.EnforcerPool, d Defaults) *PoolObjects {
 	if p.Spec.Resources != nil {
 		w.resources = *p.Spec.Resources
 	}
-	o := &PoolObjects{}
-	o.ServiceAccount, o.Role, o.RoleBinding = w.identity()
-	c := &pod{args: []string{
+	return w
+}
+
+// poolPod is what an EnforcerPool says to its enforcers: the pool whose ConfigMaps they serve,
+// and their servers.
+func poolPod(p *v1alpha1.EnforcerPool) *pod {
+	return &pod{args: []string{
 		"--pool=" + p.Namespace + "/" + p.Name,
 		fmt.Sprintf("--check-listen=:%d", CheckPort),
 		fmt.Sprintf("--rls-listen=:%d", RLSPort),
@@ -122,15 +213,6 @@ func Pool(p *v1alpha1.EnforcerPool, d Defaults) *PoolObjects {
 		"--shutdown-delay=" + settings.Defaults().ShutdownDelay.String(),
 		"--shutdown-timeout=" + settings.Defaults().ShutdownTimeout.String(),
 	}}
-	if s := p.Spec.Storage; s != nil && s.Redis != nil {
-		c.redis(s.Redis)
-	}
-	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
-		o.RedisDeployment, o.RedisService, o.RedisPDB, o.RedisNetworkPolicy = w.managedRedis(c, s.ManagedRedis, d,
-			map[string]string{labelName: "sluice-redis", report.PoolLabel: report.LabelValue(p.Name)})
-	}
-	o.Deployment, o.Service, o.PDB, o.NetworkPolicy = w.enforcer(c, d)
-	return o
 }
 
 // PoolConfigMapName is the name of a pooled policy's ConfigMap in the pool's namespace:

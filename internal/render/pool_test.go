@@ -43,8 +43,11 @@ func readPool(t *testing.T, name string) *v1alpha1.EnforcerPool {
 func TestPoolWhenTheSampleRendersThenObjectsMatchTheGoldenFile(t *testing.T) {
 	pool := readPool(t, "pool.yaml")
 	p := readSample(t, "pool.yaml")
-	objs := render.Pool(pool, defaults)
-	cm, rev, err := render.PoolConfigMap(p, pool)
+	objs, err := render.PoolOf(pool, defaults).Objects(defaults, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cm, rev, err := render.PoolOf(pool, defaults).Config(p, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +75,7 @@ func TestPoolWhenTheSampleRendersThenObjectsMatchTheGoldenFile(t *testing.T) {
 	}
 	// The pool's enforcers load the ConfigMap with the loader of standalone files, and the
 	// revision is the one the policy's own enforcer would report.
-	if ps, warnings, err := enforcer.Load([]byte(cm.Data[report.PolicyFileKey])); err != nil || len(warnings) > 0 || len(ps) != 1 || ps[0].ID != "shop/catalogue" {
+	if ps, warnings, err := enforcer.Load([]byte(cm.Data[report.PolicyFileKey])); err != nil || len(warnings) > 0 || len(ps) != 1 || ps[0].ID != "shop/reviews" {
 		t.Errorf("the pool's enforcers cannot load the config cleanly: %v, warnings %q", err, warnings)
 	}
 	if own, _ := render.PolicyRevision(p); own != rev {
@@ -84,7 +87,10 @@ func TestPoolWhenTheSampleRendersThenObjectsMatchTheGoldenFile(t *testing.T) {
 // else: no Secret, no get by name of anything else, nothing cluster-wide (a Role, not a
 // ClusterRole).
 func TestPoolWhenRenderedThenItsRoleGrantsOnlyConfigMapsOfItsNamespace(t *testing.T) {
-	objs := render.Pool(readPool(t, "pool.yaml"), defaults)
+	objs, err := render.PoolOf(readPool(t, "pool.yaml"), defaults).Objects(defaults, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if objs.Role.Namespace != "gateways" || objs.RoleBinding.Namespace != "gateways" {
 		t.Errorf("Role in %q, binding in %q, want the pool's namespace", objs.Role.Namespace, objs.RoleBinding.Namespace)
 	}
@@ -106,11 +112,11 @@ func TestPoolWhenAPolicyHasThePoolsNameThenTheirPodsAreApart(t *testing.T) {
 	pool := readPool(t, "pool.yaml")
 	p := readSample(t, "pool.yaml")
 	p.Name, p.Spec.Enforcer = pool.Name, nil
-	own, err := render.Enforcer(p, defaults)
+	_, own := poolOfOne(t, p)
+	pooled, err := render.PoolOf(pool, defaults).Objects(defaults, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pooled := render.Pool(pool, defaults)
 	matches := func(selector, labels map[string]string) bool {
 		for k, v := range selector {
 			if labels[k] != v {

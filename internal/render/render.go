@@ -1,10 +1,12 @@
-// Package render turns a RateLimitPolicy into the objects that enforce it. It is pure: the same
-// policy and defaults give the same objects, which golden files in testdata pin.
+// Package render turns a pool, an EnforcerPool or a policy's pool of one, into the objects of its
+// enforcers, and a policy into its config where its pool reads it. It is pure: the same policy,
+// pool, target Service and defaults give the same objects, which golden files in testdata pin.
 package render
 
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -103,15 +105,15 @@ type NetworkPolicyDefaults struct {
 	ProxyNamespaces []string
 }
 
-// Objects are the desired objects of one policy, in apply order.
-type Objects struct {
-	ConfigMap *corev1.ConfigMap
+// PoolObjects are the desired objects of one pool's enforcers, in apply order (see All): an
+// EnforcerPool's, or a policy's pool of one, whose Service has the proxy port for its target.
+// The policies' configs are not among them: each policy renders its own (Pool.Config).
+type PoolObjects struct {
 	Workload
-	// Bypass keeps clients from reaching the target's pods around the enforcer; nil without
-	// targetRef.bypassProtection or without the target Service. See Bypass.
+	// Bypass keeps clients from reaching the target's pods around a pool of one's proxy; nil
+	// without targetRef.bypassProtection, without the target Service, and in an EnforcerPool,
+	// whose gateway reaches the Service itself. See Bypass.
 	Bypass *networkingv1.NetworkPolicy
-	// Revision identifies the compiled config.
-	Revision string
 }
 
 // Workload are the objects of a set of enforcers, a policy's own or a pool's.
@@ -160,9 +162,9 @@ func (w *Workload) objects() []client.Object {
 	return objs
 }
 
-// All are the objects that exist for the policy.
-func (o *Objects) All() []client.Object {
-	objs := append([]client.Object{o.ConfigMap}, o.objects()...)
+// All are the objects that exist for the pool.
+func (o *PoolObjects) All() []client.Object {
+	objs := o.objects()
 	if o.Bypass != nil {
 		objs = append(objs, o.Bypass)
 	}
@@ -284,52 +286,67 @@ func upstreamArg(p *v1alpha1.RateLimitPolicy) string {
 	return fmt.Sprintf("--upstream=%s://%s.%s.svc:%d", scheme, p.Spec.TargetRef.Name, p.Namespace, p.Spec.TargetRef.Port)
 }
 
-// Enforcer renders the policy's objects.
-func Enforcer(p *v1alpha1.RateLimitPolicy, d Defaults) (*Objects, error) {
-	name := Name(p)
-	config, err := policyFile(p)
-	if err != nil {
-		return nil, err
-	}
-	o := &Objects{Revision: report.Revision(config)}
+// oneWorkload is a pool of one's: its enforcers proxy to the target of p, serve the check API
+// (and Envoy's rate limit service when p asks), and read p's ConfigMap alone.
+func oneWorkload(p *v1alpha1.RateLimitPolicy, pl *Pool, revision string) *workload {
 	rls := ServesRLS(p)
 	w := &workload{
-		owner: policyOwner(p), name: name,
-		labels:    map[string]string{labelName: "sluice-enforcer", labelInstance: LabelValue(p.Name), labelManagedBy: "sluice"},
-		podLabels: PodLabels(p), podAnnotations: podAnnotations(p), replicas: Replicas(p), image: d.EnforcerImage,
+		owner: policyOwner(p), name: pl.Name, labels: policyLabels(p),
+		podLabels: PodLabels(p), podAnnotations: podAnnotations(p), replicas: pl.Replicas, image: pl.Image,
+		redisPodLabels: map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)},
 		resources: corev1.ResourceRequirements{
 			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
 			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
 		},
-		ports: containerPorts(rls), servicePorts: servicePorts(rls), checkPorts: []int32{CheckPort}, proxy: true, revision: o.Revision, config: true,
+		ports: containerPorts(rls), servicePorts: servicePorts(rls), checkPorts: []int32{CheckPort}, proxy: true, revision: revision, config: true,
 		// The enforcer watches its ConfigMap through the API server and may read nothing else.
 		rules: []rbacv1.PolicyRule{{
-			APIGroups: []string{""}, Resources: []string{"configmaps"}, ResourceNames: []string{name},
+			APIGroups: []string{""}, Resources: []string{"configmaps"}, ResourceNames: []string{pl.Name},
 			Verbs: []string{"get", "list", "watch"},
 		}},
 	}
 	if rls {
 		w.checkPorts = append(w.checkPorts, RLSPort)
 	}
-	if e := p.Spec.Enforcer; e != nil && e.Image != "" {
-		w.image = e.Image
-	}
 	if e := p.Spec.Enforcer; e != nil && e.Resources != nil {
 		w.resources = *e.Resources
 	}
-	o.ServiceAccount, o.Role, o.RoleBinding = w.identity()
-	o.ConfigMap = &corev1.ConfigMap{
-		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "ConfigMap"},
-		ObjectMeta: w.owner.meta(name, w.labels, map[string]string{RevisionAnnotation: o.Revision}),
-		Data:       map[string]string{configKey: string(config)},
+	return w
+}
+
+// policyLabels are the labels of the objects of a policy's pool of one.
+func policyLabels(p *v1alpha1.RateLimitPolicy) map[string]string {
+	return map[string]string{labelName: EnforcerPodLabelValue, labelInstance: LabelValue(p.Name), labelManagedBy: "sluice"}
+}
+
+// withServiceProtocol is p as its pool of one renders it: when its targetRef names no
+// appProtocol, the target Service port's appProtocol, as Gateway API implementations read it, if
+// it is one the enforcer speaks (kubernetes.io/h2c is h2c; kubernetes.io/ws and wss are http and
+// https).
+func withServiceProtocol(p *v1alpha1.RateLimitPolicy, svc *corev1.Service) *v1alpha1.RateLimitPolicy {
+	if p.Spec.TargetRef.AppProtocol != "" || svc == nil {
+		return p
 	}
-	pod := enforcerPod(p, name)
-	if s := p.Spec.Storage; s != nil && s.ManagedRedis != nil {
-		o.RedisDeployment, o.RedisService, o.RedisPDB, o.RedisNetworkPolicy = w.managedRedis(pod, s.ManagedRedis, d,
-			map[string]string{labelName: "sluice-redis", labelInstance: LabelValue(p.Name)})
+	for _, port := range svc.Spec.Ports {
+		if port.Port != p.Spec.TargetRef.Port || port.AppProtocol == nil {
+			continue
+		}
+		var proto v1alpha1.AppProtocol
+		switch strings.ToLower(*port.AppProtocol) {
+		case "http", "kubernetes.io/ws":
+			proto = v1alpha1.AppProtocolHTTP
+		case "https", "kubernetes.io/wss":
+			proto = v1alpha1.AppProtocolHTTPS
+		case "h2c", "kubernetes.io/h2c":
+			proto = v1alpha1.AppProtocolH2C
+		default:
+			return p // a protocol the enforcer does not speak: http, as without one
+		}
+		c := p.DeepCopy()
+		c.Spec.TargetRef.AppProtocol = proto
+		return c
 	}
-	o.Deployment, o.Service, o.PDB, o.NetworkPolicy = w.enforcer(pod, d)
-	return o, nil
+	return p
 }
 
 // owner is the object that controls rendered objects, in its namespace: a policy or a pool.
@@ -361,11 +378,13 @@ type workload struct {
 	// name names every object; labels label them.
 	name                              string
 	labels, podLabels, podAnnotations map[string]string
-	replicas                          int32
-	image                             string
-	resources                         corev1.ResourceRequirements
-	ports                             []corev1.ContainerPort
-	servicePorts                      []corev1.ServicePort
+	// redisPodLabels are the labels of the managed Redis's pod.
+	redisPodLabels map[string]string
+	replicas       int32
+	image          string
+	resources      corev1.ResourceRequirements
+	ports          []corev1.ContainerPort
+	servicePorts   []corev1.ServicePort
 	// checkPorts are the ports the NetworkPolicy admits from gateways.
 	checkPorts []int32
 	// proxy is whether the proxy port is served (a policy's own enforcer).
@@ -407,16 +426,16 @@ func (w *workload) enforcer(c *pod, d Defaults) (*appsv1.Deployment, *corev1.Ser
 	return dep, svc, pdb, np
 }
 
-// managedRedis renders a managed Redis for the workload's enforcers, with podLabels for its pod,
-// and points the enforcer pod at it.
-func (w *workload) managedRedis(c *pod, m *v1alpha1.ManagedRedis, d Defaults, podLabels map[string]string) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget, *networkingv1.NetworkPolicy) {
+// managedRedis renders a managed Redis for the workload's enforcers and points the enforcer pod
+// at it.
+func (w *workload) managedRedis(c *pod, m *v1alpha1.ManagedRedis, d Defaults) (*appsv1.Deployment, *corev1.Service, *policyv1.PodDisruptionBudget, *networkingv1.NetworkPolicy) {
 	redisName := RedisName(w.name)
 	c.args = append(c.args, fmt.Sprintf("--redis-url=redis://%s.%s.svc:%d/0", redisName, w.owner.namespace, RedisPort),
 		"--redis-password-file="+redisCredentialsDir+"/"+RedisPasswordKey)
 	c.mount("redis-credentials", redisName, redisCredentialsDir, corev1.KeyToPath{Key: RedisPasswordKey, Path: RedisPasswordKey})
 	labels := map[string]string{labelManagedBy: "sluice", labelComponent: "redis"}
-	maps.Copy(labels, podLabels)
-	dep, svc, pdb := managedRedis(w.owner, m, redisName, d, labels, podLabels)
+	maps.Copy(labels, w.redisPodLabels)
+	dep, svc, pdb := managedRedis(w.owner, m, redisName, d, labels, w.redisPodLabels)
 	var np *networkingv1.NetworkPolicy
 	if d.NetworkPolicy != nil {
 		np = redisNetworkPolicy(w.owner, redisName, dep, w.podLabels)
@@ -461,8 +480,8 @@ func (c *pod) mount(volume, secret, dir string, items ...corev1.KeyToPath) {
 	c.mounts = append(c.mounts, corev1.VolumeMount{Name: volume, MountPath: dir, ReadOnly: true})
 }
 
-// enforcerPod is what the policy says to its enforcers: their servers, upstream, its TLS and
-// timeouts, and the Redis of the user's.
+// enforcerPod is what the policy says to the enforcers of its pool of one: their servers, the
+// upstream, its TLS and timeouts.
 func enforcerPod(p *v1alpha1.RateLimitPolicy, name string) *pod {
 	c := &pod{args: []string{
 		"--policy=" + PolicyFile,
@@ -489,9 +508,6 @@ func enforcerPod(p *v1alpha1.RateLimitPolicy, name string) *pod {
 				c.args = append(c.args, f.flag+"="+string(*f.d))
 			}
 		}
-	}
-	if s := p.Spec.Storage; s != nil && s.Redis != nil {
-		c.redis(s.Redis)
 	}
 	return c
 }
@@ -671,6 +687,10 @@ func namespacePeers(namespaces []string) []networkingv1.NetworkPolicyPeer {
 	}}}
 }
 
+// ErrBypassProtection begins the error of a bypass protection that cannot be drawn around the
+// target Service: only a change of the Service or of the policy helps.
+var ErrBypassProtection = errors.New("spec.targetRef.bypassProtection")
+
 // BypassName is the name of the bypass protection's NetworkPolicy of the enforcer objects named
 // name.
 func BypassName(name string) string { return label(name + "-bypass") }
@@ -689,7 +709,7 @@ func Bypass(p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*networkingv1.
 		return nil, nil
 	}
 	if len(target.Spec.Selector) == 0 {
-		return nil, fmt.Errorf("spec.targetRef.bypassProtection: Service %s has no selector, so no NetworkPolicy can select its pods", target.Name)
+		return nil, fmt.Errorf("%w: Service %s has no selector, so no NetworkPolicy can select its pods", ErrBypassProtection, target.Name)
 	}
 	var sp *corev1.ServicePort
 	for i := range target.Spec.Ports {
@@ -698,11 +718,11 @@ func Bypass(p *v1alpha1.RateLimitPolicy, target *corev1.Service) (*networkingv1.
 		}
 	}
 	if sp == nil {
-		return nil, fmt.Errorf("spec.targetRef.bypassProtection: Service %s has no port %d", target.Name, p.Spec.TargetRef.Port)
+		return nil, fmt.Errorf("%w: Service %s has no port %d", ErrBypassProtection, target.Name, p.Spec.TargetRef.Port)
 	}
 	if sp.TargetPort.Type == intstr.String {
-		return nil, fmt.Errorf("spec.targetRef.bypassProtection: port %d of Service %s has the named targetPort %q; bypass protection needs its number, to leave the pods' other ports open",
-			sp.Port, target.Name, sp.TargetPort.StrVal)
+		return nil, fmt.Errorf("%w: port %d of Service %s has the named targetPort %q; bypass protection needs its number, to leave the pods' other ports open",
+			ErrBypassProtection, sp.Port, target.Name, sp.TargetPort.StrVal)
 	}
 	port := sp.TargetPort.IntVal
 	if port == 0 {
@@ -896,25 +916,8 @@ func managedRedis(o owner, m *v1alpha1.ManagedRedis, name string, d Defaults, la
 				Spec: corev1.PodSpec{
 					AutomountServiceAccountToken: ptr.To(false),
 					SecurityContext:              restrictedPod(),
-					Containers: []corev1.Container{{
-						Name:  "redis",
-						Image: image,
-						Args: []string{
-							RedisConfigDir + "/" + RedisConfigKey,
-							"--save", "", "--appendonly", "no",
-							"--maxmemory", fmt.Sprint(maxMemory.Value()),
-							"--maxmemory-policy", "volatile-ttl",
-						},
-						Ports: []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
-						ReadinessProbe: &corev1.Probe{
-							ProbeHandler:  corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: RedisReadinessCommand}},
-							PeriodSeconds: 5, TimeoutSeconds: 2,
-						},
-						Resources:       resources,
-						SecurityContext: restrictedContainer(),
-						VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: RedisConfigDir, ReadOnly: true}},
-					}},
-					Volumes: []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{SecretName: name}}}},
+					Containers:                   []corev1.Container{redisContainer(image, maxMemory, resources)},
+					Volumes:                      []corev1.Volume{{Name: "config", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{SecretName: name}}}},
 				},
 			},
 		},
@@ -936,6 +939,28 @@ func managedRedis(o owner, m *v1alpha1.ManagedRedis, name string, d Defaults, la
 		},
 	}
 	return dep, svc, pdb
+}
+
+// redisContainer runs a managed Redis from the config file of its Secret.
+func redisContainer(image string, maxMemory resource.Quantity, resources corev1.ResourceRequirements) corev1.Container {
+	return corev1.Container{
+		Name:  "redis",
+		Image: image,
+		Args: []string{
+			RedisConfigDir + "/" + RedisConfigKey,
+			"--save", "", "--appendonly", "no",
+			"--maxmemory", fmt.Sprint(maxMemory.Value()),
+			"--maxmemory-policy", "volatile-ttl",
+		},
+		Ports: []corev1.ContainerPort{{Name: "redis", ContainerPort: RedisPort, Protocol: corev1.ProtocolTCP}},
+		ReadinessProbe: &corev1.Probe{
+			ProbeHandler:  corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: RedisReadinessCommand}},
+			PeriodSeconds: 5, TimeoutSeconds: 2,
+		},
+		Resources:       resources,
+		SecurityContext: restrictedContainer(),
+		VolumeMounts:    []corev1.VolumeMount{{Name: "config", MountPath: RedisConfigDir, ReadOnly: true}},
+	}
 }
 
 func probe(path string, period int32) *corev1.Probe {

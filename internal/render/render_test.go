@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
@@ -27,6 +28,22 @@ var update = flag.Bool("update", false, "rewrite the golden files")
 
 var defaults = render.Defaults{EnforcerImage: "example.com/sluice-enforcer:test", RedisImage: "example.com/redis:test",
 	NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: "sluice-system", MonitoringNamespaces: []string{"monitoring"}}}
+
+// poolOfOne renders the pool of one of a policy without poolRef, as the controllers do, with
+// no target Service: the policy's config, and its pool's objects.
+func poolOfOne(t *testing.T, p *v1alpha1.RateLimitPolicy) (*corev1.ConfigMap, *render.PoolObjects) {
+	t.Helper()
+	pool := render.OneOf(p, defaults)
+	cm, _, err := pool.Config(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := pool.Objects(defaults, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cm, objs
+}
 
 func readSample(t *testing.T, name string) *v1alpha1.RateLimitPolicy {
 	t.Helper()
@@ -60,14 +77,11 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 			if p.Spec.Enforcer != nil && p.Spec.Enforcer.PoolRef != nil {
 				return // a pool serves it: TestPoolWhenTheSampleRendersThenObjectsMatchTheGoldenFile
 			}
-			objs, err := render.Enforcer(p, defaults)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cm, objs := poolOfOne(t, p)
 			// The controller generates the managed Redis's password; a fixed one here.
 			objs.WithRedisPassword("golden-password")
 			var docs []string
-			for _, o := range objs.All() {
+			for _, o := range append([]client.Object{cm}, objs.All()...) {
 				out, err := yaml.Marshal(o)
 				if err != nil {
 					t.Fatal(err)
@@ -89,7 +103,7 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 				t.Errorf("rendered objects differ from %s (-want +got):\n%s", golden, diff)
 			}
 			// The enforcer reads the ConfigMap with the loader it uses for standalone files.
-			if _, warnings, err := enforcer.Load([]byte(objs.ConfigMap.Data["policy.yaml"])); err != nil || len(warnings) > 0 {
+			if _, warnings, err := enforcer.Load([]byte(cm.Data["policy.yaml"])); err != nil || len(warnings) > 0 {
 				t.Errorf("the enforcer cannot load the rendered config cleanly: %v, warnings %q", err, warnings)
 			}
 		})
@@ -98,15 +112,15 @@ func TestEnforcerWhenSamplesRenderThenObjectsMatchGoldenFiles(t *testing.T) {
 
 func TestEnforcerWhenOnlyEnforcerShapeChangesThenConfigRevisionStays(t *testing.T) {
 	p := readSample(t, "fixed-window.yaml")
-	a, _ := render.Enforcer(p, defaults)
+	a, _ := poolOfOne(t, p)
 	p.Spec.Enforcer.Replicas = new(int32(5))
-	b, _ := render.Enforcer(p, defaults)
-	if a.Revision != b.Revision {
+	b, _ := poolOfOne(t, p)
+	if a.Annotations[render.RevisionAnnotation] != b.Annotations[render.RevisionAnnotation] {
 		t.Error("changing replicas changed the config revision: the enforcer's rules did not change")
 	}
 	p.Spec.Rules[0].FixedWindow.Limit++
-	c, _ := render.Enforcer(p, defaults)
-	if c.Revision == b.Revision || c.ConfigMap.Data["policy.yaml"] == b.ConfigMap.Data["policy.yaml"] {
+	c, _ := poolOfOne(t, p)
+	if c.Annotations[render.RevisionAnnotation] == b.Annotations[render.RevisionAnnotation] || c.Data["policy.yaml"] == b.Data["policy.yaml"] {
 		t.Error("changing a limit did not change the config")
 	}
 }
@@ -127,10 +141,7 @@ func TestEnforcerWhenNameIsLongThenObjectNamesStayDNSLabels(t *testing.T) {
 // The kubelet kills a pod at the end of its grace period. The enforcer's stop takes up to
 // --shutdown-delay plus --shutdown-timeout, so the grace period must be longer than both.
 func TestEnforcerWhenRenderedThenTheGracePeriodCoversTheShutdownDelayAndDrain(t *testing.T) {
-	objs, err := render.Enforcer(readSample(t, "demo.yaml"), defaults)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, objs := poolOfOne(t, readSample(t, "demo.yaml"))
 	pod := objs.Deployment.Spec.Template.Spec
 	var stop time.Duration
 	for _, arg := range pod.Containers[0].Args {
@@ -166,11 +177,8 @@ func TestEnforcerWhenAnyAdmittedNameThenEveryRenderedNameIsAValidUniqueLabel(t *
 		p := readSample(t, "demo.yaml")
 		p.Name = name
 		p.Spec.Storage = &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}}
-		objs, err := render.Enforcer(p, defaults)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, o := range objs.All() {
+		cm, objs := poolOfOne(t, p)
+		for _, o := range append([]client.Object{cm}, objs.All()...) {
 			if msgs := validation.IsDNS1035Label(o.GetName()); len(msgs) > 0 {
 				t.Errorf("policy %q: %T name %q: %v", name, o, o.GetName(), msgs)
 			}
@@ -199,10 +207,7 @@ func TestEnforcerWhenAnyAdmittedNameThenEveryLabelValueIsValidAndThePodsNameTheP
 		p.Name = name
 		p.Spec.Storage = &v1alpha1.Storage{ManagedRedis: &v1alpha1.ManagedRedis{}}
 		p.Spec.Enforcer = &v1alpha1.EnforcerSpec{Replicas: new(int32(2))}
-		objs, err := render.Enforcer(p, defaults)
-		if err != nil {
-			t.Fatal(err)
-		}
+		cm, objs := poolOfOne(t, p)
 		check := func(what string, labels map[string]string) {
 			for k, v := range labels {
 				if msgs := validation.IsValidLabelValue(v); len(msgs) > 0 {
@@ -210,7 +215,7 @@ func TestEnforcerWhenAnyAdmittedNameThenEveryLabelValueIsValidAndThePodsNameTheP
 				}
 			}
 		}
-		for _, o := range objs.All() {
+		for _, o := range append([]client.Object{cm}, objs.All()...) {
 			check(fmt.Sprintf("%T", o), o.GetLabels())
 		}
 		for _, d := range []*appsv1.Deployment{objs.Deployment, objs.RedisDeployment} {

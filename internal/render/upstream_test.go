@@ -8,7 +8,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
-	"github.com/sluice-dev/sluice/internal/render"
 )
 
 // The target's appProtocol is the scheme of --upstream, and its TLS block becomes the upstream
@@ -38,10 +37,7 @@ func TestEnforcerWhenTheTargetSpeaksTLSOrHTTP2ThenTheUpstreamFlagsSaySo(t *testi
 		t.Run(c.name, func(t *testing.T) {
 			p := readSample(t, "fixed-window.yaml")
 			p.Spec.TargetRef = c.target
-			objs, err := render.Enforcer(p, defaults)
-			if err != nil {
-				t.Fatal(err)
-			}
+			_, objs := poolOfOne(t, p)
 			pod := objs.Deployment.Spec.Template.Spec
 			var got []string
 			for _, a := range pod.Containers[0].Args {
@@ -72,10 +68,7 @@ func TestEnforcerWhenTheTargetNamesAClientCertificateAndTimeoutsThenTheyAreFlags
 	p.Spec.TargetRef = v1alpha1.TargetRef{Name: "api", Port: 8443, AppProtocol: v1alpha1.AppProtocolHTTPS,
 		TLS:      &v1alpha1.TargetTLS{ClientCertificateSecretRef: &v1alpha1.SecretRef{Name: "api-client"}},
 		Timeouts: &v1alpha1.UpstreamTimeouts{Connect: ptrTo[v1alpha1.Duration]("2s"), Idle: ptrTo[v1alpha1.Duration]("1500ms")}}
-	objs, err := render.Enforcer(p, defaults)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, objs := poolOfOne(t, p)
 	pod := objs.Deployment.Spec.Template.Spec
 	var got []string
 	for _, a := range pod.Containers[0].Args {
@@ -98,9 +91,7 @@ func TestEnforcerWhenTheTargetNamesAClientCertificateAndTimeoutsThenTheyAreFlags
 	}
 
 	p.Spec.TargetRef.AppProtocol = v1alpha1.AppProtocolHTTP
-	if objs, err = render.Enforcer(p, defaults); err != nil {
-		t.Fatal(err)
-	}
+	_, objs = poolOfOne(t, p)
 	for _, v := range objs.Deployment.Spec.Template.Spec.Volumes {
 		if v.Secret != nil && v.Secret.SecretName == "api-client" {
 			t.Error("a client certificate mounted for a cleartext target")

@@ -134,7 +134,7 @@ func TestCRDWhenInstalledThenHasShortNameColumnsAndStatusSubresource(t *testing.
 			columns = append(columns, c.Name)
 		}
 	}
-	want := []string{"Target", "Rules", "Ready", "Limited", "Reason", "Age", "Storage (wide)", "Revision (wide)"}
+	want := []string{"Target", "Rules", "Ready", "Limited", "Reason", "Store", "Age", "Storage (wide)", "Revision (wide)"}
 	if diff := cmp.Diff(want, columns); diff != "" {
 		t.Errorf("printer columns (-want +got):\n%s", diff)
 	}

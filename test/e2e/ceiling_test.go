@@ -40,9 +40,9 @@ import (
 //
 //   - ceiling-apply: no manager; 64 workers of a bare, unthrottled client create each policy's
 //     Service and policy, then server-side apply the objects the controller renders for it
-//     (render.Enforcer with the manager's default NetworkPolicy, the manager's field owner) and
-//     write its Programmed condition: the manager's writes with none of its reads, caches, queue
-//     or webhook;
+//     (its config and its pool of one, as render makes them with the manager's default
+//     NetworkPolicy, with the manager's field owner) and write its Programmed condition: the
+//     manager's writes with none of its reads, caches, queue or webhook;
 //
 //   - ceiling-create: the same with a create for each object instead of an apply, the cheaper
 //     write for the API server;
@@ -117,13 +117,20 @@ func programBare(b *testing.B, k8s client.Client, ns string, n int, create bool)
 					b.Error(err)
 					return
 				}
-				objs, err := render.Enforcer(p, render.Defaults{EnforcerImage: "sluice-enforcer:bench", RedisImage: "redis:bench",
-					NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: local.Namespace}})
+				d := render.Defaults{EnforcerImage: "sluice-enforcer:bench", RedisImage: "redis:bench",
+					NetworkPolicy: &render.NetworkPolicyDefaults{ManagerNamespace: local.Namespace}}
+				pool := render.OneOf(p, d)
+				cm, _, err := pool.Config(p, svc)
 				if err != nil {
 					b.Error(err)
 					return
 				}
-				for _, o := range objs.All() {
+				objs, err := pool.Objects(d, svc)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				for _, o := range append([]client.Object{cm}, objs.All()...) {
 					if err := writeBare(ctx, k8s, o, create); err != nil {
 						b.Error(err)
 						return

@@ -170,8 +170,8 @@ func populateWith(t testing.TB, k8s client.Client, ns string, n, workers int) {
 	}
 }
 
-// watched are the kinds the manager writes, counted by countWrites: every kind render.Objects
-// holds, and the policies' status.
+// watched are the kinds the manager writes, counted by countWrites: the policies' configs, every
+// kind render.PoolObjects holds, and the policies' and pools' status.
 var watched = []client.ObjectList{&v1alpha1.RateLimitPolicyList{}, &v1alpha1.EnforcerPoolList{}, &corev1.ConfigMapList{}, &corev1.ServiceList{}, &appsv1.DeploymentList{},
 	&corev1.ServiceAccountList{}, &rbacv1.RoleList{}, &rbacv1.RoleBindingList{}, &networkingv1.NetworkPolicyList{},
 	&policyv1.PodDisruptionBudgetList{}, &corev1.SecretList{}}

@@ -215,15 +215,15 @@ func TestStatusWhenEnforcersReportThenStatusTellsWhatTheDataPlaneDoes(t *testing
 		})
 		t.Logf("the burst's counts were in status %v after it ended", time.Since(ended).Round(100*time.Millisecond))
 
-		// kubectl get shows them, with the replicas serving the revision.
+		// kubectl get shows them, with the replicas serving the revision and the store's health.
 		out, err := exec.Command(c.env.Kubectl(), "--kubeconfig", c.kubeconfig, "get", "rlp", "-n", ns, "-o", "wide").CombinedOutput()
 		if err != nil {
 			t.Fatalf("kubectl get rlp: %v\n%s", err, out)
 		}
 		lines := strings.Split(strings.TrimSpace(string(out)), "\n")
 		header, row := strings.Fields(lines[0]), strings.Fields(lines[len(lines)-1])
-		if strings.Join(header, " ") != "NAME TARGET RULES READY LIMITED REASON AGE STORAGE REVISION" ||
-			len(row) != 8 || strings.Join(row[:5], " ") != "api api per-client 1/1 37.5%" || row[6] != "memory" {
+		if strings.Join(header, " ") != "NAME TARGET RULES READY LIMITED REASON STORE AGE STORAGE REVISION" ||
+			len(row) != 9 || strings.Join(row[:6], " ") != "api api per-client 1/1 37.5% Connected" || row[7] != "memory" {
 			t.Errorf("kubectl get rlp -o wide:\n%s", out)
 		}
 	})

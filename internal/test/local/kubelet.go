@@ -46,6 +46,10 @@ import (
 // status from the process and its readiness probe, and stops the process when the pod is
 // deleted, as a kubelet does: SIGTERM, then the grace period.
 //
+// An enforcer that exits is started again, as with restartPolicy Always, after a back-off of a
+// second rather than the kubelet's 10 s and more; meanwhile its pod is not ready and its container
+// waits in CrashLoopBackOff, with how it last ended, as the kubelet writes it.
+//
 // What it does not do: it runs the binary it was given rather than the pod's image, it points
 // --upstream at Upstream (there is no cluster DNS), and it hands the token over through
 // $KUBECONFIG rather than the service-account mount. It probes a ready pod every periodSeconds,
@@ -105,6 +109,9 @@ type podRun struct {
 	started     time.Time
 	restarts    int32
 	stopping    bool
+	// last is how its enforcer ended, while it waits to be started again; lastState how the one
+	// before it did.
+	last, lastState *corev1.ContainerStateTerminated
 }
 
 // StartKubelet starts running the enforcer pods of opts.Namespace with the enforcer binary bin.
@@ -256,22 +263,7 @@ func (k *Kubelet) syncPod(ctx context.Context, pod *corev1.Pod) error {
 		run.refreshed = time.Now()
 	}
 	if run.proc.Exited() {
-		// restartPolicy Always: start it again, as a crash loop would, a second later.
-		if time.Since(run.started) < time.Second {
-			return nil
-		}
-		k.mu.Lock()
-		delete(k.pods, pod.UID)
-		k.mu.Unlock()
-		if err := k.run(ctx, pod); err != nil {
-			return err
-		}
-		k.mu.Lock()
-		if r := k.pods[pod.UID]; r != nil {
-			r.restarts = run.restarts + 1
-		}
-		k.mu.Unlock()
-		return nil
+		return k.restart(ctx, pod, run)
 	}
 	// A ready pod whose status says so is probed every periodSeconds, as the kubelet probes;
 	// one not yet ready on every sync, sooner than the kubelet would, so that tests need not wait
@@ -287,6 +279,40 @@ func (k *Kubelet) syncPod(ctx context.Context, pod *corev1.Pod) error {
 	}
 	run.ready = ready
 	return k.setStatus(ctx, pod, run)
+}
+
+// crashBackOff is how long the stand-in waits before it starts an exited enforcer again: the
+// kubelet's first back-off is 10 s, doubling up to 5 minutes; tests do not wait so long.
+const crashBackOff = time.Second
+
+// restart handles an enforcer that exited, as the kubelet does with restartPolicy Always: the
+// pod is not ready, its container waits in CrashLoopBackOff with how it last ended, and it is
+// started again after the back-off.
+func (k *Kubelet) restart(ctx context.Context, pod *corev1.Pod, run *podRun) error {
+	if run.last == nil {
+		code := run.proc.cmd.ProcessState.ExitCode()
+		run.ready, run.last = false, &corev1.ContainerStateTerminated{ExitCode: int32(code), Reason: "Error",
+			StartedAt: metav1.NewTime(run.started), FinishedAt: metav1.Now(), ContainerID: "local://" + strconv.Itoa(run.proc.cmd.Process.Pid)}
+		if code == 0 {
+			run.last.Reason = "Completed"
+		}
+		return k.setStatus(ctx, pod, run)
+	}
+	if time.Since(run.last.FinishedAt.Time) < crashBackOff {
+		return nil
+	}
+	k.mu.Lock()
+	delete(k.pods, pod.UID)
+	k.mu.Unlock()
+	if err := k.run(ctx, pod); err != nil {
+		return err
+	}
+	k.mu.Lock()
+	if r := k.pods[pod.UID]; r != nil {
+		r.restarts, r.lastState = run.restarts+1, run.last
+	}
+	k.mu.Unlock()
+	return nil
 }
 
 // run prepares a pod's files, address and token and starts its enforcer.
@@ -507,11 +533,22 @@ func (k *Kubelet) setStatus(ctx context.Context, pod *corev1.Pod, run *podRun) e
 		{Type: corev1.PodReady, Status: ready, LastTransitionTime: now},
 	}
 	ctr := pod.Spec.Containers[0]
-	pod.Status.ContainerStatuses = []corev1.ContainerStatus{{
+	status := corev1.ContainerStatus{
 		Name: ctr.Name, Image: ctr.Image, ImageID: "local://" + k.bin, ContainerID: "local://" + strconv.Itoa(run.proc.cmd.Process.Pid),
 		Ready: run.ready, Started: ptr.To(true), RestartCount: run.restarts,
 		State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: start}},
-	}}
+	}
+	if run.lastState != nil {
+		status.LastTerminationState = corev1.ContainerState{Terminated: run.lastState}
+	}
+	if run.last != nil {
+		// In the kubelet's words: the container waits, and the state it left is its last.
+		status.Started = ptr.To(false)
+		status.State = corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "CrashLoopBackOff",
+			Message: fmt.Sprintf("back-off %s restarting failed container=%s pod=%s_%s(%s)", crashBackOff, ctr.Name, pod.Name, pod.Namespace, pod.UID)}}
+		status.LastTerminationState = corev1.ContainerState{Terminated: run.last}
+	}
+	pod.Status.ContainerStatuses = []corev1.ContainerStatus{status}
 	return k.k8s.Status().Update(ctx, pod)
 }
 
