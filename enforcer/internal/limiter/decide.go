@@ -363,7 +363,7 @@ func (l *Limiter) cancelled(rules []matched) Result {
 }
 
 // Left counts a request whose client left before it was answered, as a front end tells: its
-// decision was made detached from the client (the seam, enforcer/seam.go), so the store neither
+// decision was made detached from the client (the seam, enforcer/internal/seam), so the store neither
 // failed nor was skipped, and nobody reads the answer (sluice_decisions_cancelled_total).
 func (l *Limiter) Left() { l.metrics.cancelled.Inc() }
 
