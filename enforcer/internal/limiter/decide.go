@@ -119,8 +119,10 @@ func (l *Limiter) decideAll(ctx context.Context, reqs []Request, per []Result) R
 	if !b.idem {
 		if res, i, ok := l.cachedRefusal(b.checks, b.rules); ok {
 			fill(per, Result{Outcome: Allowed})
-			per[b.of(i)] = jitter(res)
-			return per[b.of(i)]
+			r := &per[b.of(i)]
+			*r = res
+			jitter(r)
+			return *r
 		}
 	}
 	merged, same := mergeRepeats(b.checks)
@@ -140,7 +142,8 @@ func (l *Limiter) decideAll(ctx context.Context, reqs []Request, per []Result) R
 	cache := !b.idem && same == nil
 	for i := range per {
 		lo, hi := b.bounds[i], b.bounds[i+1]
-		per[i] = jitter(l.result(b.checks[lo:hi], b.rules[lo:hi], out[lo:hi], charged, cache))
+		per[i] = l.result(b.checks[lo:hi], b.rules[lo:hi], out[lo:hi], charged, cache)
+		jitter(&per[i])
 	}
 	res := overall(per)
 	if charged {
@@ -185,6 +188,9 @@ func fill(per []Result, res Result) Result {
 // overall is the result of requests decided together (reports), holding the longest wait of
 // all when they are admitted.
 func overall(per []Result) Result {
+	if len(per) == 1 {
+		return per[0]
+	}
 	res, wait := per[0], time.Duration(0)
 	for i := range per {
 		if i > 0 && reports(&per[i], &res) {
@@ -303,15 +309,14 @@ func addCost(a, b int64) int64 {
 // jitter adds to a refusal's Retry-After, and to the reset its RateLimit field names, a random
 // share of up to its policy's spec.retries.retryAfterJitterPercent: clients refused together come
 // back spread out. Later than the limit requires is still honest: a request sent then passes.
-func jitter(res Result) Result {
+func jitter(res *Result) {
 	if res.Outcome != Limited || res.Rule == nil || res.Rule.RetryJitter <= 0 {
-		return res
+		return
 	}
 	extra := time.Duration(rand.Float64() * res.Rule.RetryJitter * float64(res.RetryAfter))
 	res.RetryAfter += extra
 	res.Decision.RetryAfter = res.RetryAfter
 	res.Decision.Reset = max(res.Decision.Reset, res.RetryAfter)
-	return res
 }
 
 func (l *Limiter) decide(ctx context.Context, checks []store.Check, out []algorithm.Decision) (bool, error) {
