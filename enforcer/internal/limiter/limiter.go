@@ -5,7 +5,6 @@ package limiter
 import (
 	crand "crypto/rand"
 	"encoding/hex"
-	"math"
 	"net/netip"
 	"strconv"
 	"sync"
@@ -15,7 +14,6 @@ import (
 	"github.com/go-logr/logr"
 	"k8s.io/utils/clock"
 
-	"github.com/sluice-dev/sluice/api/v1alpha1"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/algorithm"
 	"github.com/sluice-dev/sluice/internal/policy"
@@ -81,31 +79,6 @@ type Request struct {
 	// rules and rules charged by the response. Any other front end skips them, and each is
 	// counted as skipped.
 	SeesResponse bool
-}
-
-// carries reports whether a request carries every key source of a rule.
-func (req *Request) carries(r *policy.Rule) bool {
-	for _, k := range r.Key {
-		switch k.Type {
-		case v1alpha1.KeyRemoteAddress:
-			if !req.Peer.IsValid() {
-				return false
-			}
-		case v1alpha1.KeyMethod:
-			if req.Method == "" {
-				return false
-			}
-		case v1alpha1.KeyPath:
-			if req.Path == "" {
-				return false
-			}
-		case v1alpha1.KeyHeader:
-			if len(req.Header.Values(k.Header)) == 0 {
-				return false
-			}
-		}
-	}
-	return true
 }
 
 // Result is the decision on one request.
@@ -292,165 +265,4 @@ func (l *Limiter) Counters() map[RuleKey]report.Counters { return l.metrics.Coun
 type matched struct {
 	rule *policy.Rule
 	of   *policy.Policy
-}
-
-// collect appends the checks and rules of the rules that match a request, and returns the first
-// idempotency key the request sends to a policy that asks for one. A request that repeats a
-// header a matching rule keys on, or its policy's idempotency header, cannot be decided: the
-// upstream reads one of the values, and which one is not ours to guess. invalid says why.
-func (l *Limiter) collect(req *Request, checks []store.Check, rules []matched) (_ []store.Check, _ []matched, idemKey, invalid string) {
-	c := collector{l: l, hits: max(1, req.Hits), seesResponse: req.SeesResponse, checks: checks, rules: rules}
-	if req.CheckOnly {
-		c.hits = 0
-	}
-	set := l.policies.Load()
-	candidates := set.list
-	var one [1]*policy.Policy
-	if req.Policy != "" {
-		if one[0] = set.byID[req.Policy]; one[0] == nil {
-			return checks, rules, "", NotServed(req.Policy)
-		}
-		candidates = one[:]
-	}
-	for _, p := range candidates {
-		idemValue, invalid := idempotencyValue(p, req.Header)
-		if invalid == "" {
-			invalid = c.policy(p, req, idemValue)
-		}
-		if invalid != "" {
-			return c.checks, c.rules, "", invalid
-		}
-		if idemKey == "" {
-			idemKey = idemValue
-		}
-	}
-	return c.checks, c.rules, idemKey, ""
-}
-
-// collector gathers the checks of one request's matching rules, policy by policy.
-// (Not the request itself, which would then leave the stack.)
-type collector struct {
-	l            *Limiter
-	hits         int64
-	seesResponse bool
-	// lease is the request's name, made once a rule needs it (leaseName).
-	lease  string
-	checks []store.Check
-	rules  []matched
-}
-
-// idempotencyValue is the idempotency key a request sends to a policy that asks for one, "" for
-// none; or why the request cannot be decided.
-func idempotencyValue(p *policy.Policy, h policy.Header) (value, invalid string) {
-	if p.Idempotency == nil {
-		return "", ""
-	}
-	v := h.Values(p.Idempotency.Header)
-	switch {
-	case len(v) > 1:
-		return "", repeated(p.Idempotency.Header, "")
-	case len(v) == 1:
-		return v[0], ""
-	}
-	return "", ""
-}
-
-// policy appends the checks of the rules of p that match req, whose idempotency key for p is
-// idemValue ("" for none), or says why the request cannot be decided.
-func (c *collector) policy(p *policy.Policy, req *Request, idemValue string) string {
-	var addr netip.Addr
-	var idem *store.Idempotency
-	var lastKey, lastTag string // rules of a policy often share their client key
-	for i := range p.Rules {
-		r := &p.Rules[i]
-		if !r.Match.Matches(req.Method, req.Path, req.Header) || req.KeysRequired && !req.carries(r) {
-			continue
-		}
-		if name := RepeatedKeyHeader(r.Key, req.Header); name != "" {
-			return repeated(name, r.Name)
-		}
-		if !addr.IsValid() {
-			addr = ClientAddr(req.Peer, req.Header, p.TrustedProxies)
-		}
-		if idemValue != "" && idem == nil {
-			// The record is this policy's (its checks' tags) and this client's: the key is
-			// hashed with the client's address, so clients that send the same key never
-			// share a record, even under a rule that has no client key.
-			// The request is part of the identity too: a key first sent with one request
-			// makes no other request (another route under the same client key) a repeat.
-			idem = &store.Idempotency{Key: store.IdempotencyKey(idemValue, addr.String()+" "+req.Method+" "+req.Path), Window: p.Idempotency.Window, MaxRepeats: p.Idempotency.MaxRepeats}
-		}
-		if key := store.ClientKey(r.Key, req.Method, req.Path, req.Header, addr); lastTag == "" || key != lastKey {
-			lastKey, lastTag = key, store.Tag(p.ID, key)
-		}
-		if len(c.checks) == MaxChecks {
-			return "the request matches more than " + strconv.Itoa(MaxChecks) + " rules; at most that many are decided at once"
-		}
-		c.add(p, r, store.Check{Limit: r.Limit, Cost: mulCost(r.Cost, c.hits), Enforce: r.Enforce, Tag: lastTag, Rule: r.StateKey, Idempotency: idem, UnitLease: r.Lease})
-	}
-	return ""
-}
-
-// add appends a rule's check. A rule that only a front end that sees responses decides is, for
-// any other, marked skipped by no check (see skip); for one that does, its check carries the
-// request's lease name.
-func (c *collector) add(p *policy.Policy, r *policy.Rule, check store.Check) {
-	if r.SeesResponse() {
-		if !c.seesResponse {
-			check = store.Check{}
-		} else {
-			if c.lease == "" {
-				c.lease = c.l.leaseName()
-			}
-			check.Lease, check.Deferred = c.lease, r.OnResponse
-			if r.Limit.Kind == algorithm.Concurrency {
-				// A repeat is in flight as any request is: it holds a slot of its own.
-				check.Idempotency = nil
-			}
-		}
-	}
-	c.checks = append(c.checks, check)
-	c.rules = append(c.rules, matched{r, p})
-}
-
-// skip takes out the rules that collect marked as skipped (those only a front end that sees
-// responses decides), counting each, and returns the checks and rules left.
-func (l *Limiter) skip(checks []store.Check, rules []matched) ([]store.Check, []matched) {
-	n := 0
-	for i := range checks {
-		if checks[i].Limit.Kind == 0 {
-			l.metrics.decision(rules[i].of, rules[i].rule.Name, resultSkipped)
-			continue
-		}
-		checks[n], rules[n] = checks[i], rules[i]
-		n++
-	}
-	return checks[:n], rules[:n]
-}
-
-// leaseName is a new request's name, unique across enforcers: 48 random bits of this limiter
-// and a count, at most 24 bytes for the first 36^11 requests (algorithm.LeaseSize counts them so).
-func (l *Limiter) leaseName() string {
-	return l.leaseBase + strconv.FormatUint(l.leaseSeq.Add(1), 36)
-}
-
-// repeated says that a header was sent more than once, and which rule keys on it ("" for the
-// idempotency header).
-func repeated(header, rule string) string {
-	if rule == "" {
-		return "header " + header + " is sent more than once; the idempotency key must be one value"
-	}
-	return "header " + header + " is sent more than once; rule " + strconv.Quote(rule) + " keys clients on it and needs one value"
-}
-
-// mulCost is cost times hits, saturated at math.MaxInt64 instead of wrapping: a product that
-// large exceeds every limit, and the store refuses it as one that can never pass.
-func mulCost(cost, hits int64) int64 {
-	if cost <= 0 || hits <= 0 {
-		return max(0, cost) * max(0, hits)
-	}
-	if cost > math.MaxInt64/hits {
-		return math.MaxInt64
-	}
-	return cost * hits
 }

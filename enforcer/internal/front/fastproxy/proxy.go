@@ -147,6 +147,14 @@ func (p *Proxy) Serve(ctx *fasthttp.RequestCtx) {
 	}
 }
 
+// upgradeType is the protocol a request asks to switch to, "" if none.
+func upgradeType(h *fasthttp.RequestHeader) string {
+	if !h.ConnectionUpgrade() {
+		return ""
+	}
+	return string(h.Peek("Upgrade"))
+}
+
 // forward sends an admitted request to the upstream: on a connection of its own when it holds a
 // slot (forwardHeld), through a response of its own when it owes its response's charges
 // (forwardOwing), and otherwise straight into the client's response.

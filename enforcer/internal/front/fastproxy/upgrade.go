@@ -14,14 +14,6 @@ import (
 	"github.com/sluice-dev/sluice/enforcer/internal/seam"
 )
 
-// upgradeType is the protocol a request asks to switch to, "" if none.
-func upgradeType(h *fasthttp.RequestHeader) string {
-	if !h.ConnectionUpgrade() {
-		return ""
-	}
-	return string(h.Peek("Upgrade"))
-}
-
 // upgrade forwards a request that asks to switch protocols on a connection of its own, and once
 // the upstream answers, splices the two connections both ways until either side ends; the
 // request ends then (Owed.End), an upgraded connection holding its concurrency slot to its end.
