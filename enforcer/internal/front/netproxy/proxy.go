@@ -46,10 +46,10 @@ type Proxy struct {
 	writeTimeout time.Duration
 }
 
-// New is the proxy to upstream through transport (NewTransport), whose writes to a client may
-// make no progress for writeTimeout.
-func New(l *limiter.Limiter, upstream *url.URL, transport http.RoundTripper, writeTimeout time.Duration, m *upstream.Metrics, log logr.Logger) *Proxy {
-	up := upstreamURL(upstream)
+// New is the proxy to the upstream u through transport (NewTransport), whose writes to a client
+// may make no progress for writeTimeout.
+func New(l *limiter.Limiter, u *url.URL, transport http.RoundTripper, writeTimeout time.Duration, m *upstream.Metrics, log logr.Logger) *Proxy {
+	up := upstreamURL(u)
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(up)
