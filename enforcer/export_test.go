@@ -5,18 +5,12 @@ import (
 	"fmt"
 
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+
+	"github.com/sluice-dev/sluice/enforcer/internal/panics"
 )
 
 // InjectPanic makes every request path of the given server panic until the returned undo runs.
-func InjectPanic(server string) (undo func()) {
-	h := func(s string) {
-		if s == server {
-			panic("injected into " + s)
-		}
-	}
-	panicHook.Store(&h)
-	return func() { panicHook.Store(nil) }
-}
+func InjectPanic(server string) (undo func()) { return panics.Inject(server) }
 
 // RefusedMalformed reports the detail of an RLS answer that refuses a call Sluice does not decide
 // for what the request carries (OVER_LIMIT with a malformed-request problem), or why it is not

@@ -8,11 +8,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"net/netip"
 	"net/url"
-	"os"
 	"path"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -33,8 +30,14 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/sluice-dev/sluice/enforcer/internal/front/check"
+	"github.com/sluice-dev/sluice/enforcer/internal/front/fastproxy"
+	"github.com/sluice-dev/sluice/enforcer/internal/front/netproxy"
+	"github.com/sluice-dev/sluice/enforcer/internal/front/rls"
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
+	"github.com/sluice-dev/sluice/enforcer/internal/panics"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
+	"github.com/sluice-dev/sluice/enforcer/internal/upstream"
 	"github.com/sluice-dev/sluice/internal/settings"
 )
 
@@ -65,7 +68,7 @@ spec:
 // net/http serves HTTP/1.x clients too.
 type fuzzBed struct {
 	proxy, netProxy, check *fasthttputil.InmemoryListener
-	panics                 *panics
+	panics                 *panics.Panics
 	admin                  atomic.Int64
 	limiter                *limiter.Limiter
 	mu                     sync.Mutex
@@ -104,14 +107,16 @@ func fuzzServers(_ testing.TB) *fuzzBed {
 		}
 		u, _ := url.Parse(up.URL)
 		e := &Enforcer{cfg: Config{Enforcer: settings.Enforcer{ReadTimeout: time.Second, WriteTimeout: time.Second, IdleTimeout: time.Second}, Log: logr.Discard()},
-			errs: make(chan error, 3), panics: newPanics(prometheus.NewRegistry(), logr.Discard())}
-		um := newUpstreamMetrics(prometheus.NewRegistry())
-		fast := newFastProxy(b.limiter, u, fuzzUpstream, um, logr.Discard())
-		fast.panics = e.panics
-		netP := e.panics.http("proxy", newProxy(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard()))
+			errs: make(chan error, 3), panics: panics.New(prometheus.NewRegistry(), logr.Discard())}
+		um := upstream.NewMetrics(prometheus.NewRegistry())
+		fast, err := fastproxy.New(b.limiter, u, fuzzUpstream, um, e.panics, logr.Discard())
+		if err != nil {
+			panic(err)
+		}
+		netP := e.panics.HTTP("proxy", netproxy.New(b.limiter, u, http.DefaultTransport, time.Second, um, logr.Discard()))
 		e.serveProxy(fast, netP)(b.proxy)
 		e.serveHTTP(netP)(b.netProxy)
-		e.serveCheck(&check{limiter: b.limiter})(b.check)
+		e.serveCheck(&check.API{Limiter: b.limiter})(b.check)
 		b.panics = e.panics
 		bed = b
 	})
@@ -141,7 +146,7 @@ func exchange(t *testing.T, ln *fasthttputil.InmemoryListener, data []byte) []by
 // holds asserts the invariants after an input.
 func (b *fuzzBed) holds(t *testing.T, server string) {
 	t.Helper()
-	if n := testutil.ToFloat64(b.panics.count.WithLabelValues(server)); n != 0 {
+	if n := testutil.ToFloat64(b.panics.Counter(server)); n != 0 {
 		t.Fatalf("%s panicked (%v recovered): the input is a crash", server, n)
 	}
 	if n := b.admin.Load(); n > 0 {
@@ -311,7 +316,7 @@ func FuzzRLS(f *testing.F) {
 		if proto.Unmarshal(data, &req) != nil || proto.Size(&req) > MaxRLSMessageBytes {
 			return // gRPC refuses what does not decode, or is over the message bound
 		}
-		s := &rls{limiter: b.limiter}
+		s := &rls.Server{Limiter: b.limiter}
 		var resp *rlsv3.RateLimitResponse
 		var err error
 		func() {
@@ -330,38 +335,6 @@ func FuzzRLS(f *testing.F) {
 		case codes.InvalidArgument, codes.ResourceExhausted, codes.Unavailable:
 		default:
 			t.Fatalf("ShouldRateLimit: %v", err)
-		}
-	})
-}
-
-// FuzzLoad sends policy files to the loader: it never panics, and what it accepts compiles and
-// decides.
-func FuzzLoad(f *testing.F) {
-	f.Add([]byte(fuzzPolicy))
-	samples, _ := filepath.Glob(filepath.Join("..", "config", "samples", "*.yaml"))
-	for _, s := range samples {
-		data, err := os.ReadFile(s)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(data)
-	}
-	f.Fuzz(func(t *testing.T, data []byte) {
-		policies, _, err := Load(data)
-		if err != nil {
-			if err.Error() == "" {
-				t.Fatal("refused without a message")
-			}
-			return
-		}
-		l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
-		l.SetPolicies(policies)
-		h := http.Header{"X-Api-Key": {"k"}}
-		for _, p := range []string{"/", "/admin", "/a/b?c"} {
-			res := l.Decide(context.Background(), &limiter.Request{Method: "GET", Path: p, Header: h, Peer: netip.MustParseAddr("192.0.2.1")})
-			if res.Outcome == limiter.Unavailable {
-				t.Fatalf("the memory store failed deciding %s: %+v", p, res)
-			}
 		}
 	})
 }
@@ -447,14 +420,17 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	h1 := fresh()
 	h2 := fresh()
 	chk := fresh()
-	ngx := &check{limiter: fresh()}
+	ngx := &check.API{Limiter: fresh()}
 	rl := fresh()
-	upstream, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
-	um := newUpstreamMetrics(prometheus.NewRegistry())
-	fastP := newFastProxy(h1, upstream, fuzzUpstream, um, logr.Discard())
-	netP := newProxy(h2, upstream, http.DefaultTransport, time.Second, um, logr.Discard())
-	c := &check{limiter: chk}
-	r := &rls{limiter: rl}
+	refused, _ := url.Parse("http://127.0.0.1:1") // refused: the proxies answer 502 to what passes
+	um := upstream.NewMetrics(prometheus.NewRegistry())
+	fastP, err := fastproxy.New(h1, refused, fuzzUpstream, um, b.panics, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	netP := netproxy.New(h2, refused, http.DefaultTransport, time.Second, um, logr.Discard())
+	c := &check.API{Limiter: chk}
+	r := &rls.Server{Limiter: rl}
 	passed := func(s int) int {
 		if s == http.StatusBadGateway {
 			return http.StatusOK
@@ -463,7 +439,7 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 	}
 	return []func(method, target, key string) int{
 		func(method, target, key string) int {
-			return passed(fastDecide(fastP.serve, target, func(h *fasthttp.RequestHeader) {
+			return passed(fastDecide(fastP.Serve, target, func(h *fasthttp.RequestHeader) {
 				h.SetMethod(method)
 				h.Set("X-Api-Key", key)
 			}))
@@ -477,14 +453,14 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 			return passed(class(w.Code))
 		},
 		func(method, target, key string) int {
-			return fastDecide(c.serve, ForwardAuthPath, func(h *fasthttp.RequestHeader) {
+			return fastDecide(c.Serve, ForwardAuthPath, func(h *fasthttp.RequestHeader) {
 				h.Set("X-Forwarded-Method", method)
 				h.Set("X-Forwarded-Uri", target)
 				h.Set("X-Api-Key", key)
 			})
 		},
 		func(method, target, key string) int {
-			s := fastDecide(ngx.serve, AuthRequestPath, func(h *fasthttp.RequestHeader) {
+			s := fastDecide(ngx.Serve, AuthRequestPath, func(h *fasthttp.RequestHeader) {
 				h.Set("X-Original-Method", method)
 				h.Set("X-Original-Url", "http://shop.example:notaport"+target)
 				h.Set("X-Api-Key", key)
@@ -513,40 +489,4 @@ func frontEnds(t *testing.T) []func(method, target, key string) int {
 }
 
 // fuzzUpstream are the default upstream options.
-var fuzzUpstream = upstreamOptions{connect: settings.Defaults().UpstreamConnectTimeout, responseHeader: settings.Defaults().UpstreamResponseHeaderTimeout, idle: settings.Defaults().UpstreamIdleTimeout}
-
-// FuzzForwarded holds the Forwarded parser to RFC 7239 on generated values: it never panics;
-// what it accepts keeps its first element's host and proto when the proxy appends its own
-// element; and a host it returns, quoted by the proxy, reads back as itself.
-func FuzzForwarded(f *testing.F) {
-	for _, s := range []string{`for=192.0.2.60;proto=http;by=203.0.113.43`, `for="[2001:db8:cafe::17]:4711"`,
-		`for=192.0.2.43, for=198.51.100.17;host="a\"b"`, `proto=https;proto=http`, `host=`, `;;, ,for=x`, `for="\`} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, v string) {
-		host, proto, ok := forwardedFirst(v)
-		if !ok {
-			if host != "" || proto != "" {
-				t.Fatalf("refused %q but returned host %q proto %q", v, host, proto)
-			}
-			return
-		}
-		if proto != "" && !isScheme(proto) {
-			t.Fatalf("%q: proto %q is not a scheme", v, proto)
-		}
-		peer := netip.MustParseAddr("2001:db8::1")
-		joined := string(appendForwardedElement([]byte(v+", "), peer, []byte("h")))
-		if len(joined) <= maxForwardedBytes {
-			h2, p2, ok2 := forwardedFirst(joined)
-			if !ok2 || h2 != host || p2 != proto {
-				t.Fatalf("%q with the proxy's element appended read as %q %q %v, want %q %q", v, h2, p2, ok2, host, proto)
-			}
-		}
-		if host != "" && !strings.ContainsAny(host, "\x00\r\n\x7f") {
-			own := string(appendForwardedElement(nil, peer, []byte(host)))
-			if h3, p3, ok3 := forwardedFirst(own); len(own) <= maxForwardedBytes && (!ok3 || h3 != host || p3 != "http") {
-				t.Fatalf("the proxy's element %q for host %q read back as %q %q %v", own, host, h3, p3, ok3)
-			}
-		}
-	})
-}
+var fuzzUpstream = upstream.Options{Connect: settings.Defaults().UpstreamConnectTimeout, ResponseHeader: settings.Defaults().UpstreamResponseHeaderTimeout, Idle: settings.Defaults().UpstreamIdleTimeout}

@@ -13,6 +13,8 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/enforcer/internal/front/check"
+	"github.com/sluice-dev/sluice/enforcer/internal/front/rls"
 	"github.com/sluice-dev/sluice/enforcer/internal/limiter"
 	"github.com/sluice-dev/sluice/enforcer/internal/store"
 	"github.com/sluice-dev/sluice/internal/policy"
@@ -51,7 +53,7 @@ func BenchmarkPoolDecision(b *testing.B) {
 		l := limiter.New(limiter.Options{Store: store.NewMemory(store.MemoryOptions{})})
 		l.SetPolicies(ps)
 		b.Run(fmt.Sprintf("check/policies=%d", n), func(b *testing.B) {
-			c := &check{limiter: l, pool: true}
+			c := &check.API{Limiter: l, Pool: true}
 			var req fasthttp.Request
 			req.SetRequestURI("/policies/bench/p5/forward-auth")
 			req.Header.Set("X-Forwarded-Method", "GET")
@@ -62,14 +64,14 @@ func BenchmarkPoolDecision(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				ctx.Response.Reset()
-				c.serve(&ctx)
+				c.Serve(&ctx)
 				if ctx.Response.StatusCode() != fasthttp.StatusOK {
 					b.Fatalf("status %d: %s", ctx.Response.StatusCode(), ctx.Response.Body())
 				}
 			}
 		})
 		b.Run(fmt.Sprintf("rls/policies=%d", n), func(b *testing.B) {
-			s := &rls{limiter: l}
+			s := &rls.Server{Limiter: l}
 			req := &rlsv3.RateLimitRequest{Domain: "bench/p5", Descriptors: []*rlv3.RateLimitDescriptor{{Entries: []*rlv3.RateLimitDescriptor_Entry{
 				{Key: "x-client", Value: "client-1"}, {Key: EntryRemoteAddress, Value: "10.0.0.1"}}}}}
 			ctx := context.Background()

@@ -108,19 +108,18 @@ func storeCause(err error) string {
 
 // report is the replica's account of itself, as served at report.Path.
 func (e *Enforcer) report() report.Report {
-	s := e.served.Load()
+	v := e.watcher.View()
 	r := report.Report{
 		Version:       report.Version,
 		Started:       e.started,
-		Revision:      s.Revision,
-		RevisionSince: s.Since,
-		ConfigSource:  s.Source,
+		Revision:      v.Revision,
+		RevisionSince: v.Since,
+		ConfigSource:  v.Source,
 		Store:         *e.health.Load(),
 	}
 	r.Store.BreakerOpen = e.limiter.BreakerOpen()
-	if w := e.pool; w != nil {
-		v := w.view.Load()
-		r.Pool, r.Synced, r.Policies, r.Refused = w.name, w.synced.Load(), v.served, v.refused
+	if p := e.cfg.Pool; p != nil {
+		r.Pool, r.Synced, r.Policies, r.Refused = p.Namespace+"/"+p.Name, e.watcher.Synced(), v.Served, v.Refused
 	}
 	counters := e.limiter.Counters()
 	for _, p := range e.limiter.Policies() {

@@ -157,8 +157,6 @@ func define(fs *flag.FlagSet) *cmdline {
 	fs.BoolVar(&c.showVersion, "version", false, "Print the version, commit and Go version, and exit.")
 	// For tests only, and so not in --help: shift the enforcer's own clock, to show that
 	// decisions on Redis use Redis TIME whatever the pod's clock says.
-	// For tests only, and so not in --help: shift the enforcer's own clock, to show that
-	// decisions on Redis use Redis TIME whatever the pod's clock says.
 	fs.DurationVar(&c.clockOffset, testClockOffset, 0, "")
 	fs.Usage = func() {
 		_, _ = fmt.Fprintln(fs.Output(), "Usage of enforcer:")

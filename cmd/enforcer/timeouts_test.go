@@ -327,6 +327,29 @@ func websocketLate(pause time.Duration) http.Handler {
 	})
 }
 
+// upgraded sends the proxy at addr a WebSocket upgrade of /ws, and returns the connection and its
+// reader once it has switched protocols (101), each read and write within 20 s.
+func upgraded(t *testing.T, addr string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	_ = conn.SetDeadline(time.Now().Add(20 * time.Second))
+	_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: api.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade: %s, want 101", resp.Status)
+	}
+	return conn, br
+}
+
 // An upgraded connection that has begun is not cut by the response-header timeout, however long
 // it stays silent: on the fasthttp path (http://) and on the net/http one (an https upstream
 // that speaks HTTP/1.1).
@@ -339,22 +362,7 @@ func TestEnforcerBinaryWhenAnUpgradedConnectionIsSilentPastTheHeaderTimeoutThenI
 	for name, args := range upstreams {
 		t.Run("when the upstream is "+name, func(t *testing.T) {
 			e := startFronting(t, args[0], append(args[1:], "--upstream-response-header-timeout=300ms")...)
-			conn, err := net.Dial("tcp", e.proxy)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = conn.Close() }()
-			_ = conn.SetDeadline(time.Now().Add(20 * time.Second))
-			_, _ = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: api.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-			br := bufio.NewReader(conn)
-			resp, err := http.ReadResponse(br, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			_ = resp.Body.Close()
-			if resp.StatusCode != http.StatusSwitchingProtocols {
-				t.Fatalf("upgrade: %s, want 101", resp.Status)
-			}
+			conn, br := upgraded(t, e.proxy)
 			if line, err := br.ReadString('\n'); line != "late\n" {
 				t.Fatalf("after the silence: %q, %v; want \"late\"", line, err)
 			}

@@ -218,3 +218,51 @@ func TestEnforcerBinaryWhenTheUpstreamSpeaksTLSOrHTTP2ThenRequestsReachItSo(t *t
 		})
 	}
 }
+
+// heldPolicy holds a concurrency slot for each request to /held, and lets every other pass.
+const heldPolicy = `apiVersion: ratelimit.sluice.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: held, namespace: test}
+spec:
+  targetRef: {name: api, port: 443}
+  rules:
+    - name: held
+      match: {path: {type: Prefix, value: /held}}
+      concurrency: {limit: 5, leaseTimeout: 10s}
+    - name: any
+      fixedWindow: {limit: 1000000, window: 1h}
+`
+
+// The requests an HTTP/1.1 client sends that the fast path would forward on connections of their
+// own, a WebSocket upgrade and a request holding a concurrency slot, reach an https upstream as
+// every other does: through net/http's transport, with the CA, the server name and the client
+// certificate given (the fasthttp proxy had a TLS branch of its own for them, which nothing
+// reached and which ignored all three).
+func TestEnforcerBinaryWhenAnHTTPSUpstreamWantsItsNameAndAClientCertificateThenUpgradesAndHeldRequestsPresentThem(t *testing.T) {
+	pki := newTestPKI(t)
+	ws := websocketLate(0)
+	up := serveTLS(t, pki, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/ws" {
+			ws.ServeHTTP(w, r)
+			return
+		}
+		_, _ = io.WriteString(w, r.TLS.ServerName+" "+r.TLS.PeerCertificates[0].Subject.CommonName)
+	}), []string{"http/1.1"}, true)
+	e := startFrontingWith(t, heldPolicy, "https://"+up, "--upstream-ca-file="+pki.caFile, "--upstream-server-name=api.test",
+		"--upstream-cert-file="+pki.certFile, "--upstream-key-file="+pki.keyFile)
+
+	resp, err := local.ClientFor("HTTP/1.1", 20*time.Second).Get("http://" + e.proxy + "/held")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || string(body) != "api.test sluice test" {
+		t.Errorf("a request holding a slot: %d, the upstream read %q; want 200 by the name api.test with the client certificate", resp.StatusCode, body)
+	}
+
+	_, br := upgraded(t, e.proxy)
+	if line, err := br.ReadString('\n'); line != "late\n" {
+		t.Fatalf("through the upgraded connection: %q, %v", line, err)
+	}
+}

@@ -137,6 +137,45 @@ func TestLimiterWhenTheStoreRefusedThenTheCacheAnswersUntilRetryAfter(t *testing
 	}
 }
 
+// Requests decided together (Envoy's descriptors) read the refusal cache as one request does: a
+// call with a descriptor the store refused is answered locally until the moment it named, the
+// refused descriptor over its limit and the others not charged; a call without it asks the store.
+func TestLimiterWhenRequestsDecidedTogetherWereRefusedThenTheCacheAnswersUntilRetryAfter(t *testing.T) {
+	var closed string // the state key of rule closed, which the store refuses
+	fs := &fakeStore{refuse: func(c *store.Check) time.Duration {
+		if c.Rule == closed {
+			return 10 * time.Second
+		}
+		return 0
+	}}
+	clk := newClock()
+	l := limiter.New(limiter.Options{Store: fs, RefusalCache: true, Now: clk.Now})
+	l.SetPolicies(policies(t, fmt.Sprintf(twoRules, 5)))
+	closed = l.Policies()[0].Rules[1].StateKey
+	ctx := context.Background()
+	both := []limiter.Request{*request("/open", "192.0.2.1"), *request("/closed", "192.0.2.1")}
+
+	if _, all := l.DecideAll(ctx, both); all.Outcome != limiter.Limited || all.RetryAfter != 10*time.Second || fs.called() != 1 {
+		t.Fatalf("first: %+v after %d store calls, want Limited for 10s by the store", all, fs.called())
+	}
+	clk.Step(4 * time.Second)
+	per, all := l.DecideAll(ctx, both)
+	if all.Outcome != limiter.Limited || all.RetryAfter != 6*time.Second || fs.called() != 1 {
+		t.Errorf("4s later: %+v after %d store calls, want Limited for the 6s left, from the cache", all, fs.called())
+	}
+	if per[0].Outcome != limiter.Allowed || per[1].Outcome != limiter.Limited || per[1].Rule == nil || per[1].Rule.Name != "closed" {
+		t.Errorf("4s later, each request: %+v, %+v; want the first not refused and the second refused by rule closed", per[0], per[1])
+	}
+	if _, all := l.DecideAll(ctx, both[:1]); all.Outcome != limiter.Allowed || fs.called() != 2 {
+		t.Errorf("the first request alone: %+v after %d store calls, want Allowed by the store", all, fs.called())
+	}
+	clk.Step(6 * time.Second)
+	l.DecideAll(ctx, both)
+	if n := fs.called(); n != 3 {
+		t.Errorf("store calls = %d at retry-after, want the store asked again", n)
+	}
+}
+
 // While the store cannot answer, each rule applies its own failure mode; after three failures in
 // a row the breaker stops asking the store. A decision's own fault does not count.
 func TestLimiterWhenTheStoreFailsThenFailureModesApplyAndTheBreakerOpens(t *testing.T) {

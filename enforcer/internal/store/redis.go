@@ -88,6 +88,32 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 	if opts.Timeout <= 0 {
 		opts.Timeout = settings.Defaults().RedisTimeout
 	}
+	client, err := newClient(opts)
+	if err != nil {
+		return nil, err
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	s := &Redis{
+		client:  client,
+		cluster: opts.Mode == v1alpha1.RedisCluster,
+		timeout: opts.Timeout,
+		idBase:  hex.EncodeToString(b[:]) + ".",
+		clock:   opts.Now,
+		scripts: newScripts(client, decideScript, decideLibrary, decideFunction, opts.Timeout),
+	}
+	if opts.Pipelines == 0 {
+		opts.Pipelines = 4
+	}
+	if !s.cluster && opts.Pipelines > 0 {
+		s.batch = newBatcher(s.scripts, opts.Pipelines, opts.Timeout)
+	}
+	s.scripts.load()
+	return s, nil
+}
+
+// newClient is the go-redis client of the options' mode, every call bounded by their timeout.
+func newClient(opts RedisOptions) (redis.UniversalClient, error) {
 	uo := &redis.UniversalOptions{
 		Addrs:                 opts.Addrs,
 		DB:                    opts.DB,
@@ -110,42 +136,22 @@ func NewRedis(opts RedisOptions) (*Redis, error) {
 		// unknown host that names the cause. The next decision dials again.
 		DialerRetries: 1,
 	}
-	var client redis.UniversalClient
 	switch opts.Mode {
 	case v1alpha1.RedisStandalone, "":
 		if len(opts.Addrs) != 1 {
 			return nil, fmt.Errorf("redis: mode Standalone takes one address, got %d", len(opts.Addrs))
 		}
-		client = redis.NewClient(uo.Simple())
+		return redis.NewClient(uo.Simple()), nil
 	case v1alpha1.RedisSentinel:
 		if opts.MasterName == "" {
 			return nil, errors.New("redis: mode Sentinel needs a master name")
 		}
 		uo.MasterName = opts.MasterName
-		client = redis.NewFailoverClient(uo.Failover())
+		return redis.NewFailoverClient(uo.Failover()), nil
 	case v1alpha1.RedisCluster:
-		client = redis.NewClusterClient(uo.Cluster())
-	default:
-		return nil, fmt.Errorf("redis: unknown mode %q", opts.Mode)
+		return redis.NewClusterClient(uo.Cluster()), nil
 	}
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	s := &Redis{
-		client:  client,
-		cluster: opts.Mode == v1alpha1.RedisCluster,
-		timeout: opts.Timeout,
-		idBase:  hex.EncodeToString(b[:]) + ".",
-		clock:   opts.Now,
-		scripts: newScripts(client, decideScript, decideLibrary, decideFunction, opts.Timeout),
-	}
-	if opts.Pipelines == 0 {
-		opts.Pipelines = 4
-	}
-	if !s.cluster && opts.Pipelines > 0 {
-		s.batch = newBatcher(s.scripts, opts.Pipelines, opts.Timeout)
-	}
-	s.scripts.load()
-	return s, nil
+	return nil, fmt.Errorf("redis: unknown mode %q", opts.Mode)
 }
 
 // Client is the underlying client.
@@ -325,60 +331,7 @@ func (s *Redis) groups(checks []Check, idx []int) [][]int {
 // time it decided at, in microseconds; free, when not nil, receives which checks passed as free
 // repeats, uncharged.
 func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []int, id string, out []algorithm.Decision, free []bool) (bool, int64, error) {
-	keys := make([]string, len(group), len(group)+1)
-	args := make([]any, 5, 5+argsPerRule*len(group))
-	args[0], args[1], args[2], args[3], args[4] = "", id, "", mode, s.idBase
-	if s.clock != nil {
-		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
-	}
-	var records []string   // the records' keys, KEYS[n+1...]
-	var leaseKeys []string // the leased token buckets' leases, after the records
-	var specs string       // their windows and free repeats, ARGV[3]
-	for i, ci := range group {
-		c := &checks[ci]
-		keys[i] = c.Key()
-		enforce := "0"
-		if c.Enforce {
-			enforce = "1"
-		}
-		record := 0
-		if c.Idempotency != nil {
-			rk := c.recordKey()
-			for j, k := range records {
-				if k == rk {
-					record = j + 1
-				}
-			}
-			if record == 0 {
-				records = append(records, rk)
-				record = len(records)
-				if specs != "" {
-					specs += " "
-				}
-				specs += strconv.FormatInt(c.Idempotency.Window.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Idempotency.MaxRepeats, 10)
-			}
-		}
-		deferred := "0"
-		if c.Deferred {
-			deferred = "1"
-		}
-		leases, take, expiry := 0, int64(-1), int64(0)
-		if c.UnitLease != nil {
-			if c.Limit.Kind == algorithm.TokenBucket {
-				leaseKeys = append(leaseKeys, c.leaseKey())
-				leases = len(leaseKeys)
-			}
-			if c.taking {
-				take, expiry = c.extra, c.UnitLease.Expiry.Microseconds()
-			}
-		}
-		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
-			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, enforce, record, deferred,
-			leases, take, expiry, c.back, c.backAt, c.hold, c.spent)
-	}
-	keys = append(keys, records...)
-	keys = append(keys, leaseKeys...)
-	args[2] = specs
+	keys, args := s.scriptArgs(mode, checks, group, id)
 	var reply any
 	var err error
 	if s.batch != nil {
@@ -395,6 +348,69 @@ func (s *Redis) run(ctx context.Context, mode string, checks []Check, group []in
 		return false, 0, fmt.Errorf("run the decide script: %w", err)
 	}
 	return decodeDecisions(reply, checks, group, out, free)
+}
+
+// scriptArgs are the keys and arguments of the decide script for one group, as its header
+// describes them.
+func (s *Redis) scriptArgs(mode string, checks []Check, group []int, id string) ([]string, []any) {
+	keys := make([]string, len(group), len(group)+1)
+	args := make([]any, 5, 5+argsPerRule*len(group))
+	args[0], args[1], args[2], args[3], args[4] = "", id, "", mode, s.idBase
+	if s.clock != nil {
+		args[0] = strconv.FormatInt(s.clock().UnixMicro(), 10)
+	}
+	var records []string   // the records' keys, KEYS[n+1...]
+	var leaseKeys []string // the leased token buckets' leases, after the records
+	var specs string       // their windows and free repeats, ARGV[3]
+	for i, ci := range group {
+		c := &checks[ci]
+		keys[i] = c.Key()
+		record := 0
+		if c.Idempotency != nil {
+			record, records, specs = recordOf(c, records, specs)
+		}
+		leases, take, expiry := 0, int64(-1), int64(0)
+		if c.UnitLease != nil {
+			if c.Limit.Kind == algorithm.TokenBucket {
+				leaseKeys = append(leaseKeys, c.leaseKey())
+				leases = len(leaseKeys)
+			}
+			if c.taking {
+				take, expiry = c.extra, c.UnitLease.Expiry.Microseconds()
+			}
+		}
+		args = append(args, int(c.Limit.Kind), c.Limit.Limit, c.Limit.Rate,
+			c.Limit.Period.Microseconds(), c.Limit.MaxWait.Microseconds(), c.Cost, flag(c.Enforce), record, flag(c.Deferred),
+			leases, take, expiry, c.back, c.backAt, c.hold, c.spent)
+	}
+	keys = append(keys, records...)
+	keys = append(keys, leaseKeys...)
+	args[2] = specs
+	return keys, args
+}
+
+// recordOf is the number (from 1) of a check's idempotency record among records, added with its
+// window and free repeats to specs if it is new.
+func recordOf(c *Check, records []string, specs string) (int, []string, string) {
+	rk := c.recordKey()
+	for j, k := range records {
+		if k == rk {
+			return j + 1, records, specs
+		}
+	}
+	if specs != "" {
+		specs += " "
+	}
+	specs += strconv.FormatInt(c.Idempotency.Window.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Idempotency.MaxRepeats, 10)
+	return len(records) + 1, append(records, rk), specs
+}
+
+// flag is a boolean argument of the decide script.
+func flag(b bool) string {
+	if b {
+		return "1"
+	}
+	return "0"
 }
 
 // scriptFault reports whether Redis ran the script and the script failed: a runtime error

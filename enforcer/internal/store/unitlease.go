@@ -107,44 +107,52 @@ func (s *Redis) decideLeased(ctx context.Context, checks []Check, out []algorith
 	keys := leaseKeys(checks, make([]string, 0, len(checks)))
 	hs := make([]*held, len(checks))
 	for {
-		now := s.now()
-		s.leases.mu.Lock()
-		s.leases.sweep(now)
-		local := true
-		for i := range checks {
-			if keys[i] == "" {
-				local = false
-				continue
-			}
-			hs[i] = s.leases.get(keys[i])
-			local = local && hs[i].ready(&checks[i], now)
+		t, wait := s.reserve(checks, keys, hs, out)
+		switch {
+		case t == nil && wait == nil:
+			return true, nil // decided from the units held
+		case wait == nil:
+			return s.trip(ctx, t, out)
 		}
-		if local {
-			for i := range checks {
-				s.spend(&checks[i], hs[i], now, &out[i])
-			}
-			s.leases.mu.Unlock()
-			return true, nil
-		}
-		// A trip takes for each leased check it does not cover, and may not while a trip for
-		// the rule and client (a take, or a refill) is out: it waits for that one's answer.
-		var wait chan struct{}
-		for i := range checks {
-			if keys[i] != "" && hs[i].busy != nil && !hs[i].covers(&checks[i], now, s.timeout) {
-				wait = hs[i].busy
-				break
-			}
-		}
-		if wait == nil {
-			return s.trip(ctx, checks, keys, hs, now, out)
-		}
-		s.leases.mu.Unlock()
 		select {
 		case <-wait:
 		case <-ctx.Done():
 			return false, ctx.Err()
 		}
 	}
+}
+
+// reserve, under the leases' lock, decides the request from the units held when every check is
+// leased and every lease holds its cost (neither a trip nor a wait returned); or returns the
+// trip in flight for a rule and client (a take, or a refill) that it must wait for, since a trip
+// takes for each leased check it does not cover and may not while another is out; or reserves
+// a trip of its own (leaseTrip).
+func (s *Redis) reserve(checks []Check, keys []string, hs []*held, out []algorithm.Decision) (*leaseTrip, chan struct{}) {
+	now := s.now()
+	s.leases.mu.Lock()
+	defer s.leases.mu.Unlock()
+	s.leases.sweep(now)
+	local := true
+	for i := range checks {
+		if keys[i] == "" {
+			local = false
+			continue
+		}
+		hs[i] = s.leases.get(keys[i])
+		local = local && hs[i].ready(&checks[i], now)
+	}
+	if local {
+		for i := range checks {
+			s.spend(&checks[i], hs[i], now, &out[i])
+		}
+		return nil, nil
+	}
+	for i := range checks {
+		if keys[i] != "" && hs[i].busy != nil && !hs[i].covers(&checks[i], now, s.timeout) {
+			return nil, hs[i].busy
+		}
+	}
+	return s.plan(checks, keys, hs, now), nil
 }
 
 // DecideLocal implements LocalDecider: it decides a request from the units this enforcer holds
@@ -274,134 +282,173 @@ func leaseKeys(checks []Check, keys []string) []string {
 	return keys
 }
 
-// trip asks Redis for what the leases do not cover; s.leases.mu is held and is released.
-func (s *Redis) trip(ctx context.Context, checks []Check, keys []string, hs []*held, now time.Time, out []algorithm.Decision) (bool, error) {
-	sub := make([]Check, len(checks))
-	copy(sub, checks)
-	reserved := make([]int64, len(checks))
-	gens := make([]uint64, len(checks))
-	covered := make([]bool, len(checks))
-	var group []int
-	var done chan struct{}
-	for i := range sub {
+// leaseTrip is one trip to Redis for a request of leased checks: sub is what it asks, the
+// checks less the units their leases cover, each leased one taking units ahead for its lease;
+// the rest is what it took from the leases, to be spent or given back once the answer is in.
+type leaseTrip struct {
+	checks, sub []Check
+	keys        []string
+	hs          []*held
+	// reserved are the units of each leased check its lease covers (covered) or gives (a take
+	// that spends the usable units left); gens, its lease's gen once they were taken.
+	reserved []int64
+	gens     []uint64
+	covered  []bool
+	// group are the checks the script decides; done closes once the answer is noted, for the
+	// requests that wait for the leases this trip takes.
+	group []int
+	done  chan struct{}
+	now   time.Time
+}
+
+// plan reserves a trip (s.leases.mu is held): a leased check its lease covers takes its cost from
+// it, spent if the request is admitted and given back if not; any other leased check empties its
+// lease for a take, which replaces it.
+func (s *Redis) plan(checks []Check, keys []string, hs []*held, now time.Time) *leaseTrip {
+	t := &leaseTrip{checks: checks, sub: make([]Check, len(checks)), keys: keys, hs: hs, now: now,
+		reserved: make([]int64, len(checks)), gens: make([]uint64, len(checks)), covered: make([]bool, len(checks))}
+	copy(t.sub, checks)
+	for i := range t.sub {
 		h := hs[i]
-		if keys[i] == "" {
-			group = append(group, i)
-			continue
-		}
-		if h.covers(&sub[i], now, s.timeout) {
-			// Covered: spent if the request is admitted, given back if not.
-			covered[i], reserved[i], gens[i] = true, sub[i].Cost, h.gen
-			h.left -= sub[i].Cost
-			h.pending += sub[i].Cost
-			continue
-		}
-		c := &sub[i]
 		switch {
-		case h.usable(c, now, s.timeout):
-			reserved[i] = h.left
-		case h.left > 0 && h.limit == c.Limit && c.Limit.Kind == algorithm.FixedWindow:
-			// Expired, never used, or ending before the answer may come: given back to their
-			// window if it is still Redis's current one (and not restored if the trip fails:
-			// Redis may have taken them back already). A token bucket's are not: it may have
-			// been full since they were taken, and a credit would pass more than one bucket; it
-			// refills them instead.
-			c.back, c.backAt = h.left, h.at
+		case keys[i] == "":
+			t.group = append(t.group, i)
+		case h.covers(&t.sub[i], now, s.timeout):
+			t.covered[i], t.reserved[i], t.gens[i] = true, t.sub[i].Cost, h.gen
+			h.left -= t.sub[i].Cost
+			h.pending += t.sub[i].Cost
+		default:
+			t.take(i, s.timeout)
 		}
-		h.left = 0
-		h.gen++ // a take records what it takes and the units pending, no more
-		gens[i] = h.gen
-		if done == nil {
-			done = make(chan struct{})
-		}
-		h.busy = done
-		c.Cost -= reserved[i]
-		// A check of no cost takes nothing: it charges nothing, and leaves nothing charged.
-		c.taking, c.extra, c.hold, c.spent = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost), h.pending, h.spentAt()
-		if reserved[i] > 0 {
-			c.spent = 0 // by this request, if it passes: when the script runs
-		}
-		group = append(group, i)
 	}
-	s.leases.mu.Unlock()
+	return t
+}
+
+// take empties check i's lease for a take that replaces it: the units still usable when the
+// answer comes are spent by this request, the rest of a fixed window's given back.
+func (t *leaseTrip) take(i int, timeout time.Duration) {
+	h, c := t.hs[i], &t.sub[i]
+	switch {
+	case h.usable(c, t.now, timeout):
+		t.reserved[i] = h.left
+	case h.left > 0 && h.limit == c.Limit && c.Limit.Kind == algorithm.FixedWindow:
+		// Expired, never used, or ending before the answer may come: given back to their
+		// window if it is still Redis's current one (and not restored if the trip fails: Redis
+		// may have taken them back already). A token bucket's are not: it may have been full
+		// since they were taken, and a credit would pass more than one bucket; it refills them
+		// instead.
+		c.back, c.backAt = h.left, h.at
+	}
+	h.left = 0
+	h.gen++ // a take records what it takes and the units pending, no more
+	t.gens[i] = h.gen
+	if t.done == nil {
+		t.done = make(chan struct{})
+	}
+	h.busy = t.done
+	c.Cost -= t.reserved[i]
+	// A check of no cost takes nothing: it charges nothing, and leaves nothing charged.
+	c.taking, c.extra, c.hold, c.spent = c.Cost > 0, max(0, c.UnitLease.Max-c.Cost), h.pending, h.spentAt()
+	if t.reserved[i] > 0 {
+		c.spent = 0 // by this request, if it passes: when the script runs
+	}
+	t.group = append(t.group, i)
+}
+
+// trip asks Redis what a reserved trip asks, and notes the answer in the leases.
+func (s *Redis) trip(ctx context.Context, t *leaseTrip, out []algorithm.Decision) (bool, error) {
 	if s.leaseScript != nil {
 		s.leaseScript()
 	}
-
-	id := s.requestID(sub)
-	var ok bool
-	// A request whose caller gave up before its script was sent changes nothing in Redis: what
-	// it took from the leases goes back whole.
-	err := ctx.Err()
-	sent := err == nil
-	switch {
-	case !sent:
-	case !s.cluster:
-		ok, _, err = s.run(ctx, modeDecide, sub, group, id, out, nil)
-	default:
-		groups := s.groups(sub, group)
-		if len(groups) > 1 {
-			// Several tags, several scripts: one that took while another refused would need
-			// its take undone as well. Decide as without leases; what is held stays held.
-			for _, i := range group {
-				sub[i].taking = false
-			}
-		}
-		ok, err = s.decideGroups(ctx, sub, groups, id, out)
-		s.followFailover(ctx, err)
-	}
+	ok, sent, err := s.ask(ctx, t, out)
 	if s.leaseAnswer != nil {
 		s.leaseAnswer()
 	}
-
-	s.leases.mu.Lock()
-	defer s.leases.mu.Unlock()
-	admitted := err == nil && ok
-	for i := range sub {
-		h := hs[i]
-		if keys[i] == "" {
-			continue
-		}
-		if covered[i] {
-			h.pending -= reserved[i]
-		}
-		switch {
-		case !admitted:
-			// Not spent: back, if Redis counts them held here still. A trip that failed may have
-			// run, and a take that ran counted what it held as spent.
-			if h.gen == gens[i] && (covered[i] || err == nil || !sent) {
-				h.left += reserved[i]
-				if !sent {
-					h.left += sub[i].back
-				}
-			}
-		case covered[i]:
-			if answered := s.now(); answered.After(h.spent) {
-				h.spent = answered // they passed when the answer came
-			}
-		case sub[i].taking:
-			// What it held was spent by this request; it holds what Redis just leased.
-			h.left = sub[i].granted
-			h.grant(&sub[i], sub[i].at, out[i], now)
-		}
-		if err == nil {
-			if covered[i] || admitted && sub[i].taking {
-				out[i] = h.decision(&checks[i], now)
-			} else {
-				out[i].Remaining = min(checks[i].Limit.Limit, out[i].Remaining+h.left)
-			}
-		}
-		if h.busy == done {
-			h.busy = nil
-		}
-	}
-	if done != nil {
-		close(done)
-	}
+	s.noteTrip(t, err == nil && ok, sent, err, out)
 	if err != nil {
 		return false, err
 	}
 	return ok, nil
+}
+
+// ask runs a trip's script, unless its caller gave up before it was sent: a request whose script
+// was never sent changes nothing in Redis, and what it took from the leases goes back whole.
+func (s *Redis) ask(ctx context.Context, t *leaseTrip, out []algorithm.Decision) (ok, sent bool, err error) {
+	id := s.requestID(t.sub)
+	if err := ctx.Err(); err != nil {
+		return false, false, err
+	}
+	if !s.cluster {
+		ok, _, err = s.run(ctx, modeDecide, t.sub, t.group, id, out, nil)
+		return ok, true, err
+	}
+	groups := s.groups(t.sub, t.group)
+	if len(groups) > 1 {
+		// Several tags, several scripts: one that took while another refused would need its
+		// take undone as well. Decide as without leases; what is held stays held.
+		for _, i := range t.group {
+			t.sub[i].taking = false
+		}
+	}
+	ok, err = s.decideGroups(ctx, t.sub, groups, id, out)
+	s.followFailover(ctx, err)
+	return ok, true, err
+}
+
+// noteTrip notes a trip's answer in the leases, under their lock, and ends the trip for the
+// requests that wait for it.
+func (s *Redis) noteTrip(t *leaseTrip, admitted, sent bool, err error, out []algorithm.Decision) {
+	s.leases.mu.Lock()
+	defer s.leases.mu.Unlock()
+	for i := range t.sub {
+		if t.keys[i] == "" {
+			continue
+		}
+		h := t.hs[i]
+		s.note(t, i, admitted, sent, err, out)
+		if err == nil {
+			if t.covered[i] || admitted && t.sub[i].taking {
+				out[i] = h.decision(&t.checks[i], t.now)
+			} else {
+				out[i].Remaining = min(t.checks[i].Limit.Limit, out[i].Remaining+h.left)
+			}
+		}
+		if h.busy == t.done {
+			h.busy = nil
+		}
+	}
+	if t.done != nil {
+		close(t.done)
+	}
+}
+
+// note settles check i's lease with the trip's answer (s.leases.mu is held): units it covered are
+// spent by an admitted request, and given back to a refused one if Redis counts them held here
+// still; a take that passed leaves the lease holding what Redis just leased.
+func (s *Redis) note(t *leaseTrip, i int, admitted, sent bool, err error, out []algorithm.Decision) {
+	h := t.hs[i]
+	if t.covered[i] {
+		h.pending -= t.reserved[i]
+	}
+	switch {
+	case !admitted:
+		// Not spent: back, if Redis counts them held here still. A trip that failed may have
+		// run, and a take that ran counted what it held as spent.
+		if h.gen == t.gens[i] && (t.covered[i] || err == nil || !sent) {
+			h.left += t.reserved[i]
+			if !sent {
+				h.left += t.sub[i].back
+			}
+		}
+	case t.covered[i]:
+		if answered := s.now(); answered.After(h.spent) {
+			h.spent = answered // they passed when the answer came
+		}
+	case t.sub[i].taking:
+		// What it held was spent by this request; it holds what Redis just leased.
+		h.left = t.sub[i].granted
+		h.grant(&t.sub[i], t.sub[i].at, out[i], t.now)
+	}
 }
 
 // valid reports whether the units held may still be used.

@@ -85,130 +85,136 @@ local keys, argv, now, id, n, nrecs, leases, recs, logged
 
 -- Numbers given to redis.call are formatted with 14 digits; timestamps need 17.
 local function fmt(x) return string.format('%.17g', x) end
--- Comparison slack, as in enforcer/algorithm: 1µs for buckets, 1e-9 units for window counters.
-local SLACK_US, SLACK_UNITS = 1, 1e-9
-local LAST_SHARE = 0.5
 -- A fixed window's value packs its window index modulo FW_WINDOWS above a count below FW_SHIFT;
 -- both fit the 53 bits a Lua number holds exactly. Limits are at most 10^9 < 2^31.
 local FW_WINDOWS, FW_SHIFT = 4194304, 2147483648
--- The sliding window counter's packing: counts below SW_SHIFT, the window index modulo SW_WINDOWS.
-local SW_WINDOWS, SW_SHIFT = 4, 33554432
-
-local function us(x) if x <= 0 then return 0 end return ceil(x) end
--- later is a bucket's time t plus d >= 0 rounded up, as in enforcer/algorithm: when the sum
--- rounds down, one float step (2^(e-53) for t = m * 2^e, 0.5 <= m < 1) is added back.
-local function later(t, d)
-  local s = t + d
-  if s - t < d then
-    local _, e = math.frexp(s)
-    s = s + 2 ^ (e - 53)
-  end
-  return s
-end
--- The sliding log's total member '#' is scored units - LOG_BASE; admission times are at least
--- LOG_MIN, above every total's score for limits below 2^52.
-local LOG_BASE, LOG_MIN = 9007199254740992, '-4503599627370496'
+-- The sliding log's total member '#' is scored units - LOG_BASE, exact below 2^53.
+local LOG_BASE = 9007199254740992
+-- retry_us of a cost a rule can never admit.
 local NEVER = -1
-local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
-
--- trimmed is the units a log key holds (a sliding log's entries, a concurrency rule's leases)
--- once the entries scored at or before horizon have left it: its '#' member keeps the total, so
--- the key is read by the entries that leave, not all it holds.
-local function trimmed(key, horizon)
-  local total = redis.call('ZSCORE', key, '#')
-  local n = 0
-  if total then n = tonumber(total) + LOG_BASE end
-  local h = fmt(horizon)
-  local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, h)
-  if #expired > 0 then
-    for _, m in ipairs(expired) do n = n - units(m) end
-    redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, h)
-    redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
-  end
-  return n
-end
-
--- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
--- current count and previous count.
-local function swcRead(v)
-  local n = tonumber(v)
-  if n then
-    local w = floor(n / (SW_SHIFT * SW_SHIFT))
-    local rest = n - w * SW_SHIFT * SW_SHIFT
-    local c = floor(rest / SW_SHIFT)
-    return w, c, rest - c * SW_SHIFT
-  end
-  local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
-  return tonumber(w), tonumber(c), tonumber(p)
-end
-
-local function swcWrite(idx, cur, prev)
-  if cur < SW_SHIFT and prev < SW_SHIFT then
-    return fmt(((idx % SW_WINDOWS) * SW_SHIFT + cur) * SW_SHIFT + prev)
-  end
-  return fmt(idx) .. ' ' .. fmt(cur) .. ' ' .. fmt(prev)
-end
 local function ttl(reset_us) return max(1, ceil(reset_us / 1000)) end
-
 local function arg(i, f) return argv[B + (i - 1) * W + f] end
 
--- leases[i], for a token bucket whose units enforcers lease: its hash's key, the units out, the
--- bucket's time t with the expired leases' bounds applied, the fields of those, and the latest
--- expiry of the others. Read once per call.
-local function leased(i, t, interval)
-  local k = tonumber(arg(i, 9))
-  if k == 0 then return t, 0 end
-  local l = leases[i]
-  if not l then
-    l = {key = keys[n + nrecs + k], out = 0, gone = {}, last = 0}
-    local all = redis.call('HGETALL', l.key)
-    local ended = {}
-    -- A request that takes replaces what its enforcer held: units it has spent, or spends now,
-    -- but for those it keeps holding. They were held until it last spent some: the bound of
-    -- all of them holds until then, like an expiry's.
-    local mine = tonumber(arg(i, 10)) >= 0 and argv[5]
-    for j = 1, #all, 2 do
-      local u, e = string.match(all[j + 1], '^(%d+):(%d+)$')
-      u, e = tonumber(u), tonumber(e)
-      if e > now and all[j] == mine then
-        local spent = tonumber(arg(i, 15))
-        if spent <= 0 or spent > now then spent = now end
-        ended[#ended + 1] = {u = u - min(u, tonumber(arg(i, 14))), e = spent}
-      end
-      l.out = l.out + u
-      if e <= now then
-        ended[#ended + 1] = {u = u, e = e}
-        l.gone[#l.gone + 1] = all[j]
-      else
-        l.last = max(l.last, e)
-      end
-    end
-    table.sort(ended, function(a, b) return a.e < b.e end)
-    l.t = t
-    for _, x in ipairs(ended) do
-      -- Until x expired, the bucket held at most limit - out: t >= x.e + out * interval.
-      l.t = max(l.t, x.e + l.out * interval)
-      l.out = l.out - x.u
-    end
-    leases[i] = l
-  end
-  return max(t, l.t), l.out
-end
+-- decide decides rule i for a request of cost units, 0 <= cost <= limit, by its algorithm (see
+-- below). It returns allowed, remaining, reset_us, retry_us, wait_us and the value to write if
+-- the request is charged. It changes nothing, except that a sliding log drops entries that left
+-- its window.
+local decide
 
--- decide decides rule i for a request of cost units, 0 <= cost <= limit. It returns allowed,
--- remaining, reset_us, retry_us, wait_us and the value to write if the request is charged. It
--- changes nothing, except that a sliding log drops entries that left its window.
-local function decide(i, cost)
-  local b = B + (i - 1) * W
-  local kind, limit, rate = tonumber(argv[b]), tonumber(argv[b + 1]), tonumber(argv[b + 2])
-  local period, maxwait = tonumber(argv[b + 3]), tonumber(argv[b + 4])
-  local key = keys[i]
-  local allowed, remaining, reset, retry, wait = false, 0, 0, 0, 0
-  local write
-  if kind == 1 or kind == 2 then
+-- The algorithms and what only they use, in a block of their own: its locals are closed when it
+-- ends, so that the functions made after it (every call, by EVAL) find theirs in fewer steps.
+do
+  -- Comparison slack, as in enforcer/algorithm: 1µs for buckets, 1e-9 units for window counters.
+  local SLACK_US, SLACK_UNITS = 1, 1e-9
+  local LAST_SHARE = 0.5
+  -- The sliding window counter's packing: counts below SW_SHIFT, the window index modulo SW_WINDOWS.
+  local SW_WINDOWS, SW_SHIFT = 4, 33554432
+
+  local function us(x) if x <= 0 then return 0 end return ceil(x) end
+  -- later is a bucket's time t plus d >= 0 rounded up, as in enforcer/algorithm: when the sum
+  -- rounds down, one float step (2^(e-53) for t = m * 2^e, 0.5 <= m < 1) is added back.
+  local function later(t, d)
+    local s = t + d
+    if s - t < d then
+      local _, e = math.frexp(s)
+      s = s + 2 ^ (e - 53)
+    end
+    return s
+  end
+  -- Admission times are at least LOG_MIN, above every total's score for limits below 2^52.
+  local LOG_MIN = '-4503599627370496'
+  local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
+
+  -- trimmed is the units a log key holds (a sliding log's entries, a concurrency rule's leases)
+  -- once the entries scored at or before horizon have left it: its '#' member keeps the total, so
+  -- the key is read by the entries that leave, not all it holds.
+  local function trimmed(key, horizon)
+    local total = redis.call('ZSCORE', key, '#')
+    local n = 0
+    if total then n = tonumber(total) + LOG_BASE end
+    local h = fmt(horizon)
+    local expired = redis.call('ZRANGEBYSCORE', key, LOG_MIN, h)
+    if #expired > 0 then
+      for _, m in ipairs(expired) do n = n - units(m) end
+      redis.call('ZREMRANGEBYSCORE', key, LOG_MIN, h)
+      redis.call('ZADD', key, fmt(n - LOG_BASE), '#')
+    end
+    return n
+  end
+
+  -- swcRead returns a sliding window counter's window (its index modulo SW_WINDOWS if packed),
+  -- current count and previous count.
+  local function swcRead(v)
+    local n = tonumber(v)
+    if n then
+      local w = floor(n / (SW_SHIFT * SW_SHIFT))
+      local rest = n - w * SW_SHIFT * SW_SHIFT
+      local c = floor(rest / SW_SHIFT)
+      return w, c, rest - c * SW_SHIFT
+    end
+    local w, c, p = string.match(v, '^(%S+) (%S+) (%S+)$')
+    return tonumber(w), tonumber(c), tonumber(p)
+  end
+
+  local function swcWrite(idx, cur, prev)
+    if cur < SW_SHIFT and prev < SW_SHIFT then
+      return fmt(((idx % SW_WINDOWS) * SW_SHIFT + cur) * SW_SHIFT + prev)
+    end
+    return fmt(idx) .. ' ' .. fmt(cur) .. ' ' .. fmt(prev)
+  end
+
+
+  -- leases[i], for a token bucket whose units enforcers lease: its hash's key, the units out, the
+  -- bucket's time t with the expired leases' bounds applied, the fields of those, and the latest
+  -- expiry of the others. Read once per call.
+  local function leased(i, t, interval)
+    local k = tonumber(arg(i, 9))
+    if k == 0 then return t, 0 end
+    local l = leases[i]
+    if not l then
+      l = {key = keys[n + nrecs + k], out = 0, gone = {}, last = 0}
+      local all = redis.call('HGETALL', l.key)
+      local ended = {}
+      -- A request that takes replaces what its enforcer held: units it has spent, or spends now,
+      -- but for those it keeps holding. They were held until it last spent some: the bound of
+      -- all of them holds until then, like an expiry's.
+      local mine = tonumber(arg(i, 10)) >= 0 and argv[5]
+      for j = 1, #all, 2 do
+        local u, e = string.match(all[j + 1], '^(%d+):(%d+)$')
+        u, e = tonumber(u), tonumber(e)
+        if e > now and all[j] == mine then
+          local spent = tonumber(arg(i, 15))
+          if spent <= 0 or spent > now then spent = now end
+          ended[#ended + 1] = {u = u - min(u, tonumber(arg(i, 14))), e = spent}
+        end
+        l.out = l.out + u
+        if e <= now then
+          ended[#ended + 1] = {u = u, e = e}
+          l.gone[#l.gone + 1] = all[j]
+        else
+          l.last = max(l.last, e)
+        end
+      end
+      table.sort(ended, function(a, b) return a.e < b.e end)
+      l.t = t
+      for _, x in ipairs(ended) do
+        -- Until x expired, the bucket held at most limit - out: t >= x.e + out * interval.
+        l.t = max(l.t, x.e + l.out * interval)
+        l.out = l.out - x.u
+      end
+      leases[i] = l
+    end
+    return max(t, l.t), l.out
+  end
+
+  -- The algorithms, one function each, return what decide returns.
+
+  -- bucket decides token bucket i (kind 1) or leaky bucket i (kind 2).
+  local function bucket(i, kind, cost, limit, rate, period, maxwait)
+    local allowed, retry, wait, write = false, 0, 0, nil
     local interval = period / rate
     local span = limit * interval
-    local v = redis.call('GET', key)
+    local v = redis.call('GET', keys[i])
     local t = 0
     if v then t = struct.unpack('<d', v) end
     -- The units leased out are the bucket's too: it holds at most limit - out of its own.
@@ -238,12 +244,14 @@ local function decide(i, cost)
       end
     end
     local ahead = max(nt, full) - now
-    remaining = min(limit, max(0, floor((span - ahead) / interval)))
-    reset = us(ahead)
     if allowed and cost > 0 then write = {struct.pack('<d', nt)} end
     if leases[i] then leases[i].nt = max(nt, full) end
+    return allowed, min(limit, max(0, floor((span - ahead) / interval))), us(ahead), retry, wait, write
+  end
 
-  elseif kind == 3 then
+  -- fixedWindow decides the fixed window of key.
+  local function fixedWindow(key, cost, limit, period)
+    local retry, reset, write = 0, 0, nil
     local idx = floor(now / period)
     local v = tonumber(redis.call('GET', key) or nil)
     local n = 0
@@ -252,7 +260,7 @@ local function decide(i, cost)
       if w == idx % FW_WINDOWS then n = v - w * FW_SHIFT end
     end
     local ending = (idx + 1) * period - now
-    allowed = n + cost <= limit
+    local allowed = n + cost <= limit
     if allowed then
       if cost > 0 then
         n = n + cost
@@ -261,10 +269,13 @@ local function decide(i, cost)
     else
       retry = us(ending)
     end
-    remaining = min(limit, max(0, limit - n))
     if n > 0 then reset = us(ending) end
+    return allowed, min(limit, max(0, limit - n)), reset, retry, 0, write
+  end
 
-  elseif kind == 5 then
+  -- slidingWindow decides the sliding window counter of key.
+  local function slidingWindow(key, cost, limit, period)
+    local retry, reset, write = 0, 0, nil
     local idx = floor(now / period)
     local start = idx * period
     local cur, prev = 0, 0
@@ -283,7 +294,7 @@ local function decide(i, cost)
     local weighted = prev * (period - (now - start)) / period
     if weighted <= LAST_SHARE + SLACK_UNITS then weighted = 0 end
     local est = weighted + cur
-    allowed = est + cost <= limit + SLACK_UNITS
+    local allowed = est + cost <= limit + SLACK_UNITS
     if allowed then
       if cost > 0 then
         cur = cur + cost
@@ -296,16 +307,36 @@ local function decide(i, cost)
     else
       retry = us(start + period + max(0, period - (limit - cost) * period / cur) - now)
     end
-    remaining = min(limit, max(0, floor(limit - est)))
     if cur > 0 then
       reset = us(start + 2 * period - now)
     elseif prev > 0 then
       reset = us(start + period - now)
     end
+    return allowed, min(limit, max(0, floor(limit - est))), reset, retry, 0, write
+  end
 
-  elseif kind == 4 then
+  -- logRetry is when a sliding log of n units admits cost more: once its oldest entries holding
+  -- n+cost-limit units have left the window. At most that many entries, each of one unit or more,
+  -- are read, in pages.
+  local function logRetry(key, n, cost, limit, period)
+    local need, from, at = n + cost - limit, 1, nil
+    while not at do
+      local e = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
+      if #e == 0 then error('sluice: sliding log ' .. key .. ' holds fewer units than its total') end
+      for j = 1, #e, 2 do
+        need = need - units(e[j])
+        if need <= 0 then at = tonumber(e[j + 1]) break end
+      end
+      from = from + 64
+    end
+    return us(at + period - now)
+  end
+
+  -- slidingLog decides the sliding log of key.
+  local function slidingLog(key, cost, limit, period)
+    local retry, reset, write = 0, 0, nil
     local n = trimmed(key, now - period)
-    allowed = cost <= limit - n
+    local allowed = cost <= limit - n
     local newest
     if allowed then
       if cost > 0 then
@@ -314,30 +345,21 @@ local function decide(i, cost)
         write = {n}
       end
     else
-      -- The oldest entries holding n+cost-limit units must leave the window first: at most
-      -- that many entries, each of one unit or more, read in pages.
-      local need, from, at = n + cost - limit, 1, nil
-      while not at do
-        local e = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
-        if #e == 0 then error('sluice: sliding log ' .. key .. ' holds fewer units than its total') end
-        for j = 1, #e, 2 do
-          need = need - units(e[j])
-          if need <= 0 then at = tonumber(e[j + 1]) break end
-        end
-        from = from + 64
-      end
-      retry = us(at + period - now)
+      retry = logRetry(key, n, cost, limit, period)
     end
     if not newest and n > 0 then
       newest = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
     end
-    remaining = limit - n
     if newest then reset = us(newest + period - now) end
+    return allowed, limit - n, reset, retry, 0, write
+  end
 
-  elseif kind == 6 then
+  -- concurrency decides the concurrency limit of key, whose leases last period.
+  local function concurrency(key, cost, limit, period)
+    local write
     local n = trimmed(key, now)
     -- A refusal has no retry: a slot frees when a request in flight ends, which no clock says.
-    allowed = cost <= limit - n
+    local allowed = cost <= limit - n
     local latest = 0
     if allowed and cost > 0 then
       n = n + cost
@@ -346,14 +368,25 @@ local function decide(i, cost)
     end
     local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
     if last[2] then latest = max(latest, tonumber(last[2])) end
-    remaining = limit - n
-    reset = us(latest - now)
-
-  else
-    error('sluice: unknown algorithm ' .. tostring(argv[b]))
+    return allowed, limit - n, us(latest - now), 0, 0, write
   end
 
-  return allowed, remaining, reset, retry, wait, write
+  function decide(i, cost)
+    local b = B + (i - 1) * W
+    local kind, limit, period = tonumber(argv[b]), tonumber(argv[b + 1]), tonumber(argv[b + 3])
+    if kind == 1 or kind == 2 then
+      return bucket(i, kind, cost, limit, tonumber(argv[b + 2]), period, tonumber(argv[b + 4]))
+    elseif kind == 3 then
+      return fixedWindow(keys[i], cost, limit, period)
+    elseif kind == 5 then
+      return slidingWindow(keys[i], cost, limit, period)
+    elseif kind == 4 then
+      return slidingLog(keys[i], cost, limit, period)
+    elseif kind == 6 then
+      return concurrency(keys[i], cost, limit, period)
+    end
+    error('sluice: unknown algorithm ' .. tostring(argv[b]))
+  end
 end
 
 -- evaluate is decide, but a cost the rule can never admit is refused first, as a cost-0 check
@@ -500,11 +533,11 @@ local function settleLeases(res, free, commit, granted)
   end
 end
 
--- decideRequest decides the request: every rule checked, all charged or none, and the leases
--- taken and settled.
-local function decideRequest()
-  for i = 1, n do giveBack(i) end
-
+-- evaluateAll decides every rule of the request: a free repeat of an admitted request passes
+-- its record's rules uncharged (free), every other rule is evaluated at its cost. It returns the
+-- rules' results, which are free, whether every enforced rule allows (commit) and whether
+-- every rule passed free.
+local function evaluateAll()
   local res, free = {}, {}
   local commit, all_free = true, true
   for i = 1, n do
@@ -527,40 +560,49 @@ local function decideRequest()
       end
     end
   end
+  return res, free, commit, all_free
+end
 
-  if commit then
-    -- A repeat of a refused request, before that refusal's Retry-After: refused the same way. The
-    -- limits refuse it already unless they changed; if none does, the first enforced rule of the
-    -- record's policy refuses it until the record ends.
-    for j, r in ipairs(recs) do
-      if r.seen and r.seen < 0 then
-        for i = 1, n do
-          if commit and enforced(i) and tonumber(arg(i, 7)) == j then
-            res[i] = {evaluate(i, 0)}
-            res[i][1], res[i][4], res[i][5] = false, max(1, redis.call('PTTL', r.key)) * 1000, 0
-            commit = false
-          end
+-- refuseRepeat refuses a repeat of a refused request, before that refusal's Retry-After, the
+-- same way, and reports whether it did. The limits refuse it already unless they changed; if
+-- none does, the first enforced rule of the record's policy refuses it until the record ends.
+local function refuseRepeat(res)
+  local refused = false
+  for j, r in ipairs(recs) do
+    if r.seen and r.seen < 0 then
+      for i = 1, n do
+        if not refused and enforced(i) and tonumber(arg(i, 7)) == j then
+          res[i] = {evaluate(i, 0)}
+          res[i][1], res[i][4], res[i][5] = false, max(1, redis.call('PTTL', r.key)) * 1000, 0
+          refused = true
         end
       end
     end
   end
+  return refused
+end
 
-  -- A lease: once the request is admitted, a rule asked to take charges up to that many units
-  -- more, as many as it has left, for the enforcer to decide later requests from.
+-- takeAhead is the units leased, by rule, of an admitted request: a rule asked to take charges up
+-- to that many units more, as many as it has left, for the enforcer to decide later requests
+-- from.
+local function takeAhead(res, free)
   local granted = {}
-  if commit then
-    for i = 1, n do
-      local take, r = tonumber(arg(i, 10)), res[i]
-      if take > 0 and r[1] and not free[i] and enforced(i) and not deferred(i) then
-        local extra = min(take, r[2])
-        if extra > 0 then
-          local more = {evaluate(i, tonumber(arg(i, 5)) + extra)}
-          if more[1] then res[i], granted[i] = more, extra end
-        end
+  for i = 1, n do
+    local take, r = tonumber(arg(i, 10)), res[i]
+    if take > 0 and r[1] and not free[i] and enforced(i) and not deferred(i) then
+      local extra = min(take, r[2])
+      if extra > 0 then
+        local more = {evaluate(i, tonumber(arg(i, 5)) + extra)}
+        if more[1] then res[i], granted[i] = more, extra end
       end
     end
   end
+  return granted
+end
 
+-- answer is the reply to a decision (the header's Returns), the longest retry_us of its enforced
+-- refusals, and whether one of them can never pass.
+local function answer(res, free, commit, all_free, granted)
   local out = {commit and (all_free and 2 or 1) or 0, now}
   local retry_max, never = 0, false
   for i = 1, n do
@@ -582,19 +624,24 @@ local function decideRequest()
     out[#out + 1] = r[5]
     out[#out + 1] = granted[i] or 0
   end
+  return out, retry_max, never
+end
 
-  if not commit then
-    settleLeases(res, free, commit, granted)
-    for _, r in ipairs(recs) do
-      if not r.seen and not never then
-        -- The first refusal of this request: its repeats are refused until its Retry-After. A
-        -- request that can never pass leaves no record: its repeats are refused as it was.
-        redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
-      end
+-- refuse records a refused request: the leases settled, and, for its first refusal, its records
+-- refuse its repeats until its Retry-After. A request that can never pass leaves no record: its
+-- repeats are refused as it was.
+local function refuse(res, free, granted, retry_max, never)
+  settleLeases(res, free, false, granted)
+  for _, r in ipairs(recs) do
+    if not r.seen and not never then
+      redis.call('SET', r.key, '-1', 'PX', ttl(retry_max))
     end
-    return out
   end
+end
 
+-- charge charges an admitted request: its records count it, each rule not passed free keeps
+-- what it charged, and the leases are settled.
+local function charge(res, free, granted)
   for _, r in ipairs(recs) do
     if r.seen then
       redis.call('SET', r.key, fmt(r.seen + 1), 'KEEPTTL') -- a repeat, free or charged
@@ -602,12 +649,27 @@ local function decideRequest()
       redis.call('SET', r.key, '0', 'PX', r.window)
     end
   end
-
   for i = 1, n do
     local r = res[i]
     if r[1] and r[6] and not free[i] then keep(i, r, id, tonumber(arg(i, 5))) end
   end
-  settleLeases(res, free, commit, granted)
+  settleLeases(res, free, true, granted)
+end
+
+-- decideRequest decides the request: every rule checked, all charged or none, and the leases
+-- taken and settled.
+local function decideRequest()
+  for i = 1, n do giveBack(i) end
+  local res, free, commit, all_free = evaluateAll()
+  if commit and refuseRepeat(res) then commit = false end
+  local granted = {}
+  if commit then granted = takeAhead(res, free) end
+  local out, retry_max, never = answer(res, free, commit, all_free, granted)
+  if commit then
+    charge(res, free, granted)
+  else
+    refuse(res, free, granted, retry_max, never)
+  end
   return out
 end
 
