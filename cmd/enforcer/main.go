@@ -37,6 +37,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/cmd/internal/termination"
 	"github.com/sluice-dev/sluice/enforcer"
 	"github.com/sluice-dev/sluice/internal/buildinfo"
 	"github.com/sluice-dev/sluice/internal/settings"
@@ -54,6 +55,7 @@ func main() {
 		for _, line := range strings.Split(err.Error(), "\n") {
 			fmt.Fprintln(os.Stderr, "enforcer:", line)
 		}
+		_ = termination.Write(termination.Path, err.Error())
 		os.Exit(2)
 	}
 	log := cfg.Log
@@ -65,6 +67,7 @@ func main() {
 	stop()
 	if err != nil {
 		log.Error(err, "Enforcer failed")
+		_ = termination.Write(termination.Path, err.Error())
 		os.Exit(1)
 	}
 }

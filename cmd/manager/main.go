@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/go-logr/logr"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
@@ -29,6 +30,7 @@ import (
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 
 	"github.com/sluice-dev/sluice/api/v1alpha1"
+	"github.com/sluice-dev/sluice/cmd/internal/termination"
 	"github.com/sluice-dev/sluice/controllers"
 	"github.com/sluice-dev/sluice/internal/buildinfo"
 	"github.com/sluice-dev/sluice/internal/certs"
@@ -84,6 +86,7 @@ func main() {
 		for _, line := range strings.Split(err.Error(), "\n") {
 			fmt.Fprintln(os.Stderr, "manager:", line)
 		}
+		_ = termination.Write(termination.Path, err.Error())
 		os.Exit(2)
 	}
 	metrics.Registry.MustRegister(buildinfo.Read().Collector())
@@ -96,16 +99,14 @@ func main() {
 
 	var err error
 	if defaults.NetworkPolicy, err = netpol.defaults(wh.namespace); err != nil {
-		log.Error(err, "Invalid NetworkPolicy flags")
-		os.Exit(1)
+		fail(log, err, "Invalid NetworkPolicy flags")
 	}
 
 	cfg := ctrl.GetConfigOrDie()
 	cfg.QPS, cfg.Burst = float32(qps), burst
 	server, rotator, err := wh.server(cfg, scheme)
 	if err != nil {
-		log.Error(err, "Unable to set up the webhook server")
-		os.Exit(1)
+		fail(log, err, "Unable to set up the webhook server")
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                 scheme,
@@ -127,8 +128,7 @@ func main() {
 		LeaderElectionReleaseOnCancel: true,
 	})
 	if err != nil {
-		log.Error(err, "Unable to create the manager")
-		os.Exit(1)
+		fail(log, err, "Unable to create the manager")
 	}
 	ctx := ctrl.SetupSignalHandler()
 	reconciler := &controllers.RateLimitPolicyReconciler{
@@ -144,38 +144,31 @@ func main() {
 		reconciler.ProbeRedis = controllers.SharedProbe(controllers.DialRedis, min(probeInterval/2, 10*time.Second), clock.RealClock{})
 	}
 	if err := reconciler.SetupWithManager(ctx, mgr); err != nil {
-		log.Error(err, "Unable to set up the RateLimitPolicy controller")
-		os.Exit(1)
+		fail(log, err, "Unable to set up the RateLimitPolicy controller")
 	}
 	if err := webhook.Setup(mgr); err != nil {
-		log.Error(err, "Unable to set up the RateLimitPolicy webhook")
-		os.Exit(1)
+		fail(log, err, "Unable to set up the RateLimitPolicy webhook")
 	}
 	if err := mgr.Add(webhook.RemoveObsolete{Client: mgr.GetClient(), Name: webhook.ObsoleteDefaultingWebhook}); err != nil {
-		log.Error(err, "Unable to add the removal of the obsolete defaulting webhook")
-		os.Exit(1)
+		fail(log, err, "Unable to add the removal of the obsolete defaulting webhook")
 	}
 	readyz := mgr.GetWebhookServer().StartedChecker()
 	if rotator != nil {
 		if err := mgr.Add(rotator); err != nil {
-			log.Error(err, "Unable to add the certificate rotator")
-			os.Exit(1)
+			fail(log, err, "Unable to add the certificate rotator")
 		}
 		started := readyz
 		readyz = func(req *http.Request) error { return errors.Join(rotator.Ready(req), started(req)) }
 	}
 	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
-		log.Error(err, "Unable to add the health check")
-		os.Exit(1)
+		fail(log, err, "Unable to add the health check")
 	}
 	if err := mgr.AddReadyzCheck("readyz", readyz); err != nil {
-		log.Error(err, "Unable to add the readiness check")
-		os.Exit(1)
+		fail(log, err, "Unable to add the readiness check")
 	}
 	log.Info("Starting the manager")
 	if err := mgr.Start(ctx); err != nil {
-		log.Error(err, "The manager stopped")
-		os.Exit(1)
+		fail(log, err, "The manager stopped")
 	}
 }
 
@@ -272,4 +265,12 @@ func (f *webhookFlags) server(cfg *rest.Config, scheme *runtime.Scheme) (ctrlweb
 	}
 	opts.TLSOpts = []func(*tls.Config){func(c *tls.Config) { c.GetCertificate = r.GetCertificate }}
 	return ctrlwebhook.NewServer(opts), r, nil
+}
+
+// fail logs err and why the manager cannot go on, writes both as the container's termination
+// message (which the pod's status and kubectl describe show), and exits 1.
+func fail(log logr.Logger, err error, msg string) {
+	log.Error(err, msg)
+	_ = termination.Write(termination.Path, msg+": "+err.Error())
+	os.Exit(1)
 }
