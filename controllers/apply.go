@@ -48,7 +48,10 @@ import (
 // policy, which applies its config, or a pool, which applies its enforcers; each object's
 // controller, as rendered, is the one it must have: a pooled policy's config is the pool's.
 type applier struct {
-	client   client.Client
+	client client.Client
+	// uncached reads the API server itself: the client's cache may not yet hold an object the
+	// last apply created, and that is not a deletion.
+	uncached client.Reader
 	recorder events.EventRecorder
 	cache    *appliedCache
 	// key names the owner in cache; events about its objects are recorded on on.
@@ -221,6 +224,16 @@ func (a *applier) applyOne(ctx context.Context, obj client.Object) error {
 	return nil
 }
 
+// created tells whether the API server holds desired's object, which the cache does not.
+func (a *applier) created(ctx context.Context, desired *unstructured.Unstructured) bool {
+	if a.uncached == nil {
+		return false
+	}
+	obj := &metav1.PartialObjectMetadata{}
+	obj.SetGroupVersionKind(desired.GroupVersionKind())
+	return a.uncached.Get(ctx, client.ObjectKeyFromObject(desired), obj) == nil
+}
+
 // why reads the live object into live and says why desired must be applied: it does not exist,
 // the rendered request changed, or the live object does not hold what applying it leaves (the
 // fields sluice owns and their values); "" when nothing would change. An object that belongs to
@@ -232,6 +245,13 @@ func (a *applier) why(ctx context.Context, desired *unstructured.Unstructured, l
 		// The managed Redis's Secret is created by the reconcile that generates its password
 		// (redisPassword), never brought back by an apply: a reconcile that read it before it was
 		// deleted would bring back the old password that the deletion was to replace.
+		return "", nil
+	case apierrors.IsNotFound(err) && seen && a.created(ctx, desired):
+		// The cache has not caught up with what the last apply created (a second reconcile of
+		// the same second finds this): nothing was deleted.
+		if last.request != request {
+			return "the rendered request changed", nil
+		}
 		return "", nil
 	case apierrors.IsNotFound(err):
 		if !a.programmed {

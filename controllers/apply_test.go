@@ -225,3 +225,40 @@ func TestApplierWhenTheManagedRedisSecretIsMissingThenItIsNotAppliedAndOtherObje
 		}
 	}
 }
+
+// A second reconcile that runs before the cache has seen what the first one created finds
+// nothing in the cache: the API server is asked, and nothing is applied or told as put back
+// (found by TestEventsWhenAPolicyRollsOutThenOnlyReadyIsTold once every policy was a pool of
+// one). An object the API server has not either was deleted.
+func TestApplierWhenTheCacheLagsBehindTheLastApplyThenNoDriftIsTold(t *testing.T) {
+	p := &v1alpha1.RateLimitPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "api", UID: "uid-1"},
+		Spec: v1alpha1.RateLimitPolicySpec{TargetRef: v1alpha1.TargetRef{Name: "api", Port: 8080},
+			Rules: []v1alpha1.Rule{{Name: "all", FixedWindow: &v1alpha1.Window{Limit: 10, Window: "1m"}}}}}
+	d := render.Defaults{EnforcerImage: "enforcer:1"}
+	objs, err := render.OneOf(p, d).Objects(d, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desired, request, err := applyRequest(objs.Deployment)
+	if err != nil {
+		t.Fatal(err)
+	}
+	server := fake.NewClientBuilder().WithObjects(objs.Deployment.DeepCopy()).Build()
+	for _, c := range []struct {
+		name     string
+		uncached client.Reader
+		want     string
+	}{
+		{"when the API server holds it then nothing to do", server, ""},
+		{"when the API server does not either then it was deleted", fake.NewClientBuilder().Build(), "the object was deleted"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a := &applier{client: fake.NewClientBuilder().Build(), uncached: c.uncached, cache: &appliedCache{}, key: types.NamespacedName{Namespace: "ns", Name: "api"},
+				on: p, programmed: true}
+			reason, err := a.why(context.Background(), desired, objs.Deployment.DeepCopy(), request, applied{request: request, resourceVersion: "1"}, true)
+			if err != nil || reason != c.want {
+				t.Errorf("reason %q, %v; want %q", reason, err, c.want)
+			}
+		})
+	}
+}

@@ -50,27 +50,33 @@ func waiting(reason, msg string) corev1.PodStatus {
 // A pod that is not ready is named with its cause in its status's own words, and the cause gives
 // Ready its reason.
 func TestCauseOfWhenAPodIsNotReadyThenItsStatusNamesWhy(t *testing.T) {
+	const mountFailure = `FailedMount: MountVolume.SetUp failed for volume "redis-credentials" : secret "redis-creds" not found`
 	cases := []struct {
 		name, reason, text string
 		status             corev1.PodStatus
+		// mountFailure is the pod's latest FailedMount event.
+		mountFailure string
 	}{
 		{"when no node fits then Unschedulable in the scheduler's words", v1alpha1.ReasonUnschedulable,
-			"pod sluice-p-7d9f: Unschedulable: 0/2 nodes are available: 2 Insufficient cpu.", unschedulable},
+			"pod sluice-p-7d9f: Unschedulable: 0/2 nodes are available: 2 Insufficient cpu.", unschedulable, ""},
 		{"when the image cannot be pulled then ImagePullFailed in the kubelet's words", v1alpha1.ReasonImagePullFailed,
-			`pod sluice-p-7d9f: ImagePullBackOff: Back-off pulling image "example.com/sluice-enforcer:nope"`, imagePullBackOff},
-		{"when the pull fails then ImagePullFailed too", v1alpha1.ReasonImagePullFailed, "pod sluice-p-7d9f: ErrImagePull: failed to pull", errImagePull},
+			`pod sluice-p-7d9f: ImagePullBackOff: Back-off pulling image "example.com/sluice-enforcer:nope"`, imagePullBackOff, ""},
+		{"when the pull fails then ImagePullFailed too", v1alpha1.ReasonImagePullFailed, "pod sluice-p-7d9f: ErrImagePull: failed to pull", errImagePull, ""},
 		{"when a Secret the container needs is missing then ContainerConfigError", v1alpha1.ReasonContainerConfigError,
-			`pod sluice-p-7d9f: CreateContainerConfigError: secret "redis-creds" not found`, configError},
+			`pod sluice-p-7d9f: CreateContainerConfigError: secret "redis-creds" not found`, configError, ""},
 		{"when the container keeps exiting then CrashLooping with its last exit", v1alpha1.ReasonCrashLooping,
 			"pod sluice-p-7d9f: CrashLoopBackOff: back-off 20s restarting failed container=enforcer pod=sluice-p-7d9f_ns(0f0e); " +
-				"container enforcer last exited with code 2 (Error): flag provided but not defined: -redis-urll", crashLoop},
-		{"when the container is being created then its reason is told and no cause", "", "pod sluice-p-7d9f: ContainerCreating", creating},
-		{"when a running container is not ready then nothing is named", "", "", unready},
-		{"when the pod is ready then nothing is named", "", "", corev1.PodStatus{Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}},
+				"container enforcer last exited with code 2 (Error): flag provided but not defined: -redis-urll", crashLoop, ""},
+		{"when the container is being created then its reason is told and no cause", "", "pod sluice-p-7d9f: ContainerCreating", creating, ""},
+		{"when a volume cannot be mounted then ContainerConfigError in the kubelet's event's words", v1alpha1.ReasonContainerConfigError,
+			"pod sluice-p-7d9f: ContainerCreating: " + mountFailure, creating, mountFailure},
+		{"when a running pod had a mount failure once then it is not named", "", "", unready, mountFailure},
+		{"when a running container is not ready then nothing is named", "", "", unready, ""},
+		{"when the pod is ready then nothing is named", "", "", corev1.PodStatus{Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}, ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			got := causeOf(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "sluice-p-7d9f"}, Status: c.status})
+			got := causeOf(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "sluice-p-7d9f"}, Status: c.status}, c.mountFailure)
 			if got.reason != c.reason || !strings.HasPrefix(got.text, c.text) || c.text == "" && got.text != "" {
 				t.Errorf("cause = %+v, want reason %q and text %q...", got, c.reason, c.text)
 			}

@@ -256,7 +256,7 @@ func (r *poolReconciler) program(ctx context.Context, h *home, owner client.Obje
 	if err := r.redisPassword(ctx, owner, objs); err != nil {
 		return &failure{errApply, err}
 	}
-	a := &applier{client: r.Client, recorder: r.Recorder, cache: &r.mem.pools.applied, key: h.key, on: owner, programmed: programmed}
+	a := &applier{client: r.Client, uncached: r.mem.uncached, recorder: r.Recorder, cache: &r.mem.pools.applied, key: h.key, on: owner, programmed: programmed}
 	w := waves(objs)
 	if err := a.apply(ctx, w[:]...); err != nil {
 		return &failure{errApply, err}

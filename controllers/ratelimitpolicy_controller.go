@@ -86,6 +86,8 @@ type memory struct {
 	pools   poolMemory
 	// policyQueue and poolQueue are the two controllers' queues.
 	policyQueue, poolQueue queue
+	// uncached reads the API server itself, past the cache.
+	uncached client.Reader
 }
 
 // +kubebuilder:rbac:groups=ratelimit.sluice.dev,resources=ratelimitpolicies,verbs=get;list;watch
@@ -233,7 +235,7 @@ func (r *RateLimitPolicyReconciler) configure(ctx context.Context, p *v1alpha1.R
 		return &failure{errRender, &stalledError{fmt.Errorf("the policy's config is %d bytes, over the %d a ConfigMap holds: "+
 			"split its rules into several policies", n, maxConfigBytes)}}
 	}
-	a := &applier{client: r.Client, recorder: r.Recorder, cache: &r.mem.applied, key: key, on: p,
+	a := &applier{client: r.Client, uncached: r.mem.uncached, recorder: r.Recorder, cache: &r.mem.applied, key: key, on: p,
 		programmed: programmedAt(p.Status.Conditions, p.Status.ObservedGeneration, p.Generation)}
 	if err := a.apply(ctx, []client.Object{cm}); err != nil {
 		return &failure{errApply, err}
@@ -286,15 +288,21 @@ func (r *RateLimitPolicyReconciler) observe(ctx context.Context, p *v1alpha1.Rat
 		return ctrl.Result{}, nil
 	}
 	r.mem.reports.wait(h.key)
+	var res ctrl.Result
+	// A pod that waits for its volumes changes nothing the cache sees when the kubelet finds one
+	// missing: only its events tell, and they are read again after an interval.
+	if slices.ContainsFunc(pods, func(r replica) bool { return r.object != nil && waitsForVolumes(r.object) }) {
+		res = ctrl.Result{RequeueAfter: r.reportInterval(), Priority: ptr.To(handler.LowPriority)}
+	}
 	// The manager's own probe of Redis speaks only when no replica does.
 	if slices.ContainsFunc(pods, func(r replica) bool { return r.report != nil }) {
-		return ctrl.Result{}, nil
+		return res, nil
 	}
 	var probed bool
 	if obs.redisUnreachable, probed = r.probeRedis(ctx, h.Storage); probed {
 		return ctrl.Result{RequeueAfter: min(r.probeInterval(), r.reportInterval()), Priority: ptr.To(handler.LowPriority)}, nil
 	}
-	return ctrl.Result{}, nil
+	return res, nil
 }
 
 func (r *RateLimitPolicyReconciler) reportInterval() time.Duration {
@@ -441,8 +449,9 @@ func noticeable(old, cur *v1alpha1.RateLimitPolicyStatus) bool {
 // decide where and whether they are served, and their pools' Deployments and pods, whose
 // rollout and readiness are part of theirs.
 func (r *RateLimitPolicyReconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) error {
-	r.mem = &memory{}
+	r.mem = &memory{uncached: mgr.GetAPIReader()}
 	r.mem.reports = newReports(r)
+	r.mem.reports.mounts = newMounts(r.mem.uncached, r.reportInterval())
 	if err := r.index(ctx, mgr.GetFieldIndexer()); err != nil {
 		return err
 	}

@@ -50,9 +50,11 @@ type progress struct {
 type replica struct {
 	pod string
 	uid types.UID
-	// ready is the pod's Ready condition; object is the pod, whose status says why it is not.
-	ready  bool
-	object *corev1.Pod
+	// ready is the pod's Ready condition; object is the pod, whose status says why it is not, and
+	// mountFailure the latest of its FailedMount events while it waits for its volumes.
+	ready        bool
+	object       *corev1.Pod
+	mountFailure string
 	// report is what the enforcer reported, or err why it could not be read.
 	report *report.Report
 	err    error
@@ -189,7 +191,7 @@ func (pr progress) readiness(serves func(replica) service, head string) readines
 	var causes []podCause
 	for _, r := range byName(pr.pods) {
 		var s service
-		cause := causeOf(r.object)
+		cause := causeOf(r.object, r.mountFailure)
 		switch {
 		case cause.reason != "":
 			causes, named = append(causes, cause), append(named, cause.text)
@@ -295,9 +297,10 @@ var waitingReasons = map[string]string{
 // write it: the PodScheduled condition False with reason Unschedulable and the scheduler's
 // message; a container waiting, with the kubelet's reason and message (an image that cannot be
 // pulled, a Secret or ConfigMap its config needs that does not exist, a crash loop, with the
-// container's last exit). Nothing for a ready pod, or one whose status says nothing of why (or
-// no pod).
-func causeOf(pod *corev1.Pod) podCause {
+// container's last exit and termination message); or, for a pod that waits for its volumes,
+// mountFailure, the kubelet's FailedMount event (a Secret or ConfigMap it mounts that does not
+// exist). Nothing for a ready pod, or one whose status says nothing of why (or no pod).
+func causeOf(pod *corev1.Pod, mountFailure string) podCause {
 	if pod == nil || podReady(pod) {
 		return podCause{}
 	}
@@ -314,6 +317,9 @@ func causeOf(pod *corev1.Pod) podCause {
 		text := "pod " + pod.Name + ": " + w.Reason
 		if w.Message != "" {
 			text += ": " + w.Message
+		}
+		if mountFailure != "" && waitsForVolumes(pod) {
+			return podCause{v1alpha1.ReasonContainerConfigError, text + ": " + mountFailure}
 		}
 		if t := s.LastTerminationState.Terminated; t != nil && w.Reason == "CrashLoopBackOff" {
 			text += fmt.Sprintf("; container %s last exited with code %d (%s)", s.Name, t.ExitCode, t.Reason)

@@ -198,6 +198,8 @@ type reports struct {
 	moving map[types.NamespacedName]bool
 	// flight reads a replica that reconciles find unread once, however many ask at once.
 	flight singleflight.Group
+	// mounts finds why a pod waits for its volumes, in its events.
+	mounts *mounts
 }
 
 // read is one read of a replica's report.
@@ -294,6 +296,7 @@ func (s *reports) due(pods []corev1.Pod, now time.Time) []*corev1.Pod {
 			due = append(due, pod)
 		}
 	}
+	s.mounts.forget(seen)
 	for uid := range s.pods {
 		if !seen[uid] {
 			delete(s.pods, uid)
@@ -481,11 +484,16 @@ func (s *reports) replicas(ctx context.Context, pool types.NamespacedName, id, r
 		return nil, err
 	}
 	s.readNew(ctx, pods)
+	now := time.Now()
+	mountFailures := make([]string, len(pods))
+	for i, pod := range pods {
+		mountFailures[i] = s.mounts.failure(ctx, pod, now)
+	}
 	out := make([]replica, 0, len(pods))
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, pod := range pods {
-		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), object: pod}
+	for i, pod := range pods {
+		rep := replica{pod: pod.Name, uid: pod.UID, ready: podReady(pod), object: pod, mountFailure: mountFailures[i]}
 		rd := s.pods[pod.UID]
 		switch {
 		case pod.Status.PodIP == "":
