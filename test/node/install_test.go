@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -63,6 +64,7 @@ func TestInstall(t *testing.T) {
 // stand built by the Dockerfile's steps and imported (the README builds and pushes them with
 // docker, which is not here), so REGISTRY names the node's own.
 func quickStart(t *testing.T) {
+	t.Helper()
 	ctx := context.Background()
 	// The namespaces hold the restricted Pod Security profile: every pod of Sluice's passes it.
 	for _, ns := range []string{quickNS, system} {
@@ -75,7 +77,7 @@ func quickStart(t *testing.T) {
 		}
 	}
 	apply(t, echo(quickNS, "my-api", 2))
-	waitAvailable(t, quickNS, "my-api", 2)
+	waitAvailable(t, quickNS, "my-api")
 
 	for _, step := range readmeQuickStart(t) {
 		t.Logf("README: %s", step)
@@ -84,7 +86,7 @@ func quickStart(t *testing.T) {
 
 	// The manager's two replicas are Ready, and both serve the webhook through its Service: an
 	// invalid policy is refused with a message that names the field, however often it is sent.
-	waitAvailable(t, system, "sluice-manager", 2)
+	waitAvailable(t, system, "sluice-manager")
 	for range 6 {
 		out, err := cluster.Kubectl(ctx, strings.NewReader(invalidPolicy), "apply", "--dry-run=server", "-f", "-")
 		if err == nil || !strings.Contains(err.Error(), "spec.rules[0].fixedWindow.window") || !strings.Contains(err.Error(), "admission webhook") && !strings.Contains(err.Error(), "Invalid value") {
@@ -239,7 +241,7 @@ func runStep(t *testing.T, line string) {
 		// Built by the Dockerfile's own steps without Docker (internal/test/image) and imported.
 	case fields[0] == "helm":
 		// Docker Hub cannot be reached here: the managed Redis runs Debian's redis-server.
-		args := append(fields[1:], "--set", "managedRedis.image="+redisImage, "--wait", "--timeout=5m")
+		args := append(slices.Clone(fields[1:]), "--set", "managedRedis.image="+redisImage, "--wait", "--timeout=5m")
 		if out, err := runHelm(ctx, args...); err != nil {
 			t.Fatalf("%s: %v\n%s\n%s", line, err, out, podStates(system))
 		}
@@ -295,6 +297,7 @@ func getByName(ctx context.Context, url string) (*http.Response, error) {
 // rollouts changes the policy's spec, then upgrades the manager to another image, while clients
 // send requests all along: every request is answered 200 or 429, none fails.
 func rollouts(t *testing.T) {
+	t.Helper()
 	ctx := context.Background()
 	traffic := startTraffic(t, "http://"+clusterIP(t, quickNS, "sluice-"+quickName)+"/")
 	defer traffic.stop(t)
@@ -312,7 +315,7 @@ func rollouts(t *testing.T) {
 		"--set", "manager.image.tag="+appVersion+nextTag, "--wait", "--timeout=5m"); err != nil {
 		t.Fatalf("helm upgrade: %v\n%s", err, out)
 	}
-	waitAvailable(t, system, "sluice-manager", 2)
+	waitAvailable(t, system, "sluice-manager")
 	for _, pod := range managerPods(t) {
 		if !strings.HasSuffix(pod.Spec.Containers[0].Image, nextTag) {
 			t.Errorf("manager pod %s runs %s after the upgrade", pod.Name, pod.Spec.Containers[0].Image)
@@ -329,6 +332,7 @@ func rollouts(t *testing.T) {
 // podReplaced deletes an enforcer pod under traffic: the Deployment replaces it, nothing fails,
 // and the policy is Ready again from the new pod's report.
 func podReplaced(t *testing.T) {
+	t.Helper()
 	ctx := context.Background()
 	traffic := startTraffic(t, "http://"+clusterIP(t, quickNS, "sluice-"+quickName)+"/")
 	defer traffic.stop(t)
@@ -358,6 +362,7 @@ func podReplaced(t *testing.T) {
 // uninstall deletes the policy, then the release: nothing of Sluice's is left but the CRDs, which
 // the chart keeps by default (crds.keep), and the namespace.
 func uninstall(t *testing.T) {
+	t.Helper()
 	ctx := context.Background()
 	if out, err := cluster.Kubectl(ctx, nil, "delete", "rlp", "--all", "--all-namespaces", "--wait", "--timeout=2m"); err != nil {
 		t.Fatalf("%v: %s", err, out)
@@ -508,32 +513,28 @@ func waitGeneration(t *testing.T, ns, name string) { t.Helper(); waitReady(t, ns
 
 func enforcerPods(t *testing.T, ns, policyName string) []corev1.Pod {
 	t.Helper()
-	var pods corev1.PodList
-	if err := k8s.List(context.Background(), &pods, client.InNamespace(ns), client.MatchingLabels{"app.kubernetes.io/name": "sluice-enforcer", "app.kubernetes.io/instance": policyName}); err != nil {
-		t.Fatal(err)
-	}
-	var running []corev1.Pod
-	for _, p := range pods.Items {
-		if p.DeletionTimestamp == nil {
-			running = append(running, p)
-		}
-	}
-	return running
+	return livePods(t, ns, client.MatchingLabels{"app.kubernetes.io/name": "sluice-enforcer", "app.kubernetes.io/instance": policyName})
 }
 
 func managerPods(t *testing.T) []corev1.Pod {
 	t.Helper()
+	return livePods(t, system, client.MatchingLabels{"app.kubernetes.io/component": "manager"})
+}
+
+// livePods are the pods of ns with labels that are not being deleted.
+func livePods(t *testing.T, ns string, labels client.MatchingLabels) []corev1.Pod {
+	t.Helper()
 	var pods corev1.PodList
-	if err := k8s.List(context.Background(), &pods, client.InNamespace(system), client.MatchingLabels{"app.kubernetes.io/component": "manager"}); err != nil {
+	if err := k8s.List(context.Background(), &pods, client.InNamespace(ns), labels); err != nil {
 		t.Fatal(err)
 	}
-	var running []corev1.Pod
+	var live []corev1.Pod
 	for _, p := range pods.Items {
 		if p.DeletionTimestamp == nil {
-			running = append(running, p)
+			live = append(live, p)
 		}
 	}
-	return running
+	return live
 }
 
 func podUIDs(t *testing.T, ns, policyName string) []string {

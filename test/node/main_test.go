@@ -5,6 +5,7 @@ package node_test
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -14,6 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
@@ -22,8 +26,6 @@ import (
 	"github.com/sluice-dev/sluice/internal/test/node"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/internal/test/tier"
-
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 )
 
 // The images the tests run, all imported into the node's containerd: Sluice's two under the
@@ -58,6 +60,7 @@ func TestMain(m *testing.M) {
 }
 
 func run(m *testing.M) int {
+	ctrl.SetLogger(logr.Discard())
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -86,7 +89,9 @@ func run(m *testing.M) int {
 		images <- err
 	}()
 	if cluster, err = node.Start(ctx, bin); err != nil {
-		<-images
+		if ierr := <-images; ierr != nil {
+			err = errors.Join(err, ierr)
+		}
 		return fail(err)
 	}
 	defer func() {

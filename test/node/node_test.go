@@ -12,7 +12,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/sluice-dev/sluice/internal/test/poll"
@@ -25,7 +24,7 @@ func TestNodeRunsImagesAsPodsReachableThroughServices(t *testing.T) {
 	ctx := context.Background()
 	ns := namespace(t, "node", false)
 	apply(t, echo(ns, "echo", 2))
-	waitAvailable(t, ns, "echo", 2)
+	waitAvailable(t, ns, "echo")
 	svc := clusterIP(t, ns, "echo")
 	seen := map[string]bool{}
 	poll.WaitFor(t, time.Minute, func() error {
@@ -95,9 +94,11 @@ func apply(t *testing.T, manifests string) {
 	}
 }
 
-// waitAvailable waits until the Deployment has replicas available, all of its current revision.
-func waitAvailable(t *testing.T, ns, name string, replicas int32) {
+// waitAvailable waits until the Deployment has its two replicas available, both of its current
+// revision.
+func waitAvailable(t *testing.T, ns, name string) {
 	t.Helper()
+	const replicas = 2
 	poll.WaitFor(t, 3*time.Minute, func() error {
 		var d appsv1.Deployment
 		if err := k8s.Get(context.Background(), key(ns, name), &d); err != nil {

@@ -152,19 +152,7 @@ func (s *Stages) RunBuild(ctx context.Context, o Options) (string, error) {
 				}
 			}
 		case *instructions.ArgCommand:
-			for _, a := range c.Args {
-				v, given := o.Args[a.Key]
-				if !given {
-					if _, set := args[a.Key]; set {
-						continue
-					}
-					v = ""
-					if a.Value != nil {
-						v = *a.Value
-					}
-				}
-				args[a.Key] = v
-			}
+			declare(args, c, o.Args)
 		case *instructions.RunCommand:
 			if err := run(ctx, work, c, append(slices.Clone(o.Env), env...), args, o.Log); err != nil {
 				return "", err
@@ -178,6 +166,23 @@ func (s *Stages) RunBuild(ctx context.Context, o Options) (string, error) {
 		}
 	}
 	return work, nil
+}
+
+// declare sets the ARGs c declares in args: the value given to the build, else one set before
+// (TARGETOS, TARGETARCH), else the default c gives, else empty.
+func declare(args map[string]string, c *instructions.ArgCommand, given map[string]string) {
+	for _, a := range c.Args {
+		v, ok := given[a.Key]
+		if !ok {
+			if _, set := args[a.Key]; set {
+				continue
+			}
+			if a.Value != nil {
+				v = *a.Value
+			}
+		}
+		args[a.Key] = v
+	}
 }
 
 // run runs one RUN line with sh in work, with the ARGs in its environment as Docker gives them.

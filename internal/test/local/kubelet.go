@@ -329,23 +329,9 @@ func (k *Kubelet) run(ctx context.Context, pod *corev1.Pod) error {
 	if err := k.writeVolumes(ctx, pod, mounts); err != nil {
 		return err
 	}
-	env := []string{}
-	for _, e := range ctr.Env {
-		value := e.Value
-		if ref := e.ValueFrom; ref != nil && ref.SecretKeyRef != nil {
-			var secret corev1.Secret
-			if err := k.k8s.Get(ctx, client.ObjectKey{Namespace: pod.Namespace, Name: ref.SecretKeyRef.Name}, &secret); err != nil {
-				return fmt.Errorf("env %s: %w", e.Name, err)
-			}
-			v, ok := secret.Data[ref.SecretKeyRef.Key]
-			if !ok {
-				return fmt.Errorf("env %s: Secret %s has no key %s", e.Name, ref.SecretKeyRef.Name, ref.SecretKeyRef.Key)
-			}
-			value = string(v)
-		} else if ref != nil {
-			return fmt.Errorf("env %s: only values and Secret keys are supported", e.Name)
-		}
-		env = append(env, e.Name+"="+value)
+	env, err := k.env(ctx, pod.Namespace, ctr)
+	if err != nil {
+		return err
 	}
 	if ptr.Deref(pod.Spec.AutomountServiceAccountToken, true) {
 		kubeconfig, err := k.token(ctx, pod, dir)
@@ -358,8 +344,53 @@ func (k *Kubelet) run(ctx context.Context, pod *corev1.Pod) error {
 	if err != nil {
 		return err
 	}
-	var args []string
-	for _, arg := range ctr.Args {
+	proc, err := StartWithEnv("enforcer pod "+pod.Name, k.opts.Log, env, k.bin, k.args(ctr.Args, ip, mounts)...)
+	if err != nil {
+		return err
+	}
+	run := &podRun{uid: pod.UID, name: pod.Name, ip: ip, proc: proc, mounts: mounts, refreshed: time.Now(), started: time.Now()}
+	if p := ctr.ReadinessProbe; p != nil && p.HTTPGet != nil {
+		run.readyURL = "http://" + net.JoinHostPort(ip, strconv.Itoa(containerPort(ctr, p.HTTPGet.Port.String()))) + p.HTTPGet.Path
+		run.probePeriod = time.Duration(p.PeriodSeconds) * time.Second
+		if run.probePeriod <= 0 {
+			run.probePeriod = 10 * time.Second // the API server's default
+		}
+	}
+	k.mu.Lock()
+	k.pods[pod.UID] = run
+	k.mu.Unlock()
+	return k.setStatus(ctx, pod, run)
+}
+
+// env is the container's environment: its values, and its Secret keys read from the API server.
+func (k *Kubelet) env(ctx context.Context, namespace string, ctr corev1.Container) ([]string, error) {
+	env := []string{}
+	for _, e := range ctr.Env {
+		value := e.Value
+		if ref := e.ValueFrom; ref != nil && ref.SecretKeyRef != nil {
+			var secret corev1.Secret
+			if err := k.k8s.Get(ctx, client.ObjectKey{Namespace: namespace, Name: ref.SecretKeyRef.Name}, &secret); err != nil {
+				return nil, fmt.Errorf("env %s: %w", e.Name, err)
+			}
+			v, ok := secret.Data[ref.SecretKeyRef.Key]
+			if !ok {
+				return nil, fmt.Errorf("env %s: Secret %s has no key %s", e.Name, ref.SecretKeyRef.Name, ref.SecretKeyRef.Key)
+			}
+			value = string(v)
+		} else if ref != nil {
+			return nil, fmt.Errorf("env %s: only values and Secret keys are supported", e.Name)
+		}
+		env = append(env, e.Name+"="+value)
+	}
+	return env, nil
+}
+
+// args are the container's arguments as the process runs them here: --upstream is the stand-in's
+// upstream, a listen address ":port" is on the pod's ip, and a path under a mount is under the
+// mount's local directory.
+func (k *Kubelet) args(args []string, ip string, mounts map[string]string) []string {
+	out := make([]string, 0, len(args))
+	for _, arg := range args {
 		name, value, ok := strings.Cut(arg, "=")
 		switch {
 		case !ok:
@@ -377,24 +408,9 @@ func (k *Kubelet) run(ctx context.Context, pod *corev1.Pod) error {
 		if ok {
 			arg = name + "=" + value
 		}
-		args = append(args, arg)
+		out = append(out, arg)
 	}
-	proc, err := StartWithEnv("enforcer pod "+pod.Name, k.opts.Log, env, k.bin, args...)
-	if err != nil {
-		return err
-	}
-	run := &podRun{uid: pod.UID, name: pod.Name, ip: ip, proc: proc, mounts: mounts, refreshed: time.Now(), started: time.Now()}
-	if p := ctr.ReadinessProbe; p != nil && p.HTTPGet != nil {
-		run.readyURL = "http://" + net.JoinHostPort(ip, strconv.Itoa(containerPort(ctr, p.HTTPGet.Port.String()))) + p.HTTPGet.Path
-		run.probePeriod = time.Duration(p.PeriodSeconds) * time.Second
-		if run.probePeriod <= 0 {
-			run.probePeriod = 10 * time.Second // the API server's default
-		}
-	}
-	k.mu.Lock()
-	k.pods[pod.UID] = run
-	k.mu.Unlock()
-	return k.setStatus(ctx, pod, run)
+	return out
 }
 
 // terminate stops a deleted pod's process within its grace period, then removes the pod, as the
@@ -433,55 +449,71 @@ func (k *Kubelet) terminate(ctx context.Context, pod *corev1.Pod, run *podRun) e
 // writeVolumes writes the pod's ConfigMap and Secret volumes into their directories, each file
 // replaced atomically, as the kubelet's symlink swap does.
 func (k *Kubelet) writeVolumes(ctx context.Context, pod *corev1.Pod, mounts map[string]string) error {
-	ctr := pod.Spec.Containers[0]
-	for _, m := range ctr.VolumeMounts {
+	for _, m := range pod.Spec.Containers[0].VolumeMounts {
 		var files map[string][]byte
 		for _, v := range pod.Spec.Volumes {
-			if v.Name != m.Name {
-				continue
-			}
-			switch {
-			case v.ConfigMap != nil:
-				var cm corev1.ConfigMap
-				if err := k.k8s.Get(ctx, client.ObjectKey{Namespace: pod.Namespace, Name: v.ConfigMap.Name}, &cm); err != nil {
+			if v.Name == m.Name {
+				var err error
+				if files, err = k.volumeFiles(ctx, pod.Namespace, v); err != nil {
 					return fmt.Errorf("volume %s: %w", v.Name, err)
-				}
-				files = map[string][]byte{}
-				for key, data := range cm.Data {
-					files[key] = []byte(data)
-				}
-			case v.Secret != nil:
-				var secret corev1.Secret
-				if err := k.k8s.Get(ctx, client.ObjectKey{Namespace: pod.Namespace, Name: v.Secret.SecretName}, &secret); err != nil {
-					return fmt.Errorf("volume %s: %w", v.Name, err)
-				}
-				files = secret.Data
-				if len(v.Secret.Items) > 0 {
-					files = map[string][]byte{}
-					for _, item := range v.Secret.Items {
-						files[item.Path] = secret.Data[item.Key]
-					}
 				}
 			}
 		}
 		if files == nil {
 			continue // a projected service-account token: handed over as $KUBECONFIG
 		}
-		dir := mounts[m.MountPath]
-		if err := os.MkdirAll(dir, 0o700); err != nil {
+		if err := writeFiles(mounts[m.MountPath], files); err != nil {
 			return err
 		}
-		for name, data := range files {
-			path := filepath.Join(dir, name)
-			if old, err := os.ReadFile(path); err == nil && string(old) == string(data) {
-				continue
-			}
-			if err := os.WriteFile(path+".tmp", data, 0o600); err != nil {
-				return err
-			}
-			if err := os.Rename(path+".tmp", path); err != nil {
-				return err
-			}
+	}
+	return nil
+}
+
+// volumeFiles are the files of a ConfigMap or Secret volume by name, or nil for another kind.
+func (k *Kubelet) volumeFiles(ctx context.Context, namespace string, v corev1.Volume) (map[string][]byte, error) {
+	switch {
+	case v.ConfigMap != nil:
+		var cm corev1.ConfigMap
+		if err := k.k8s.Get(ctx, client.ObjectKey{Namespace: namespace, Name: v.ConfigMap.Name}, &cm); err != nil {
+			return nil, err
+		}
+		files := map[string][]byte{}
+		for key, data := range cm.Data {
+			files[key] = []byte(data)
+		}
+		return files, nil
+	case v.Secret != nil:
+		var secret corev1.Secret
+		if err := k.k8s.Get(ctx, client.ObjectKey{Namespace: namespace, Name: v.Secret.SecretName}, &secret); err != nil {
+			return nil, err
+		}
+		if len(v.Secret.Items) == 0 {
+			return secret.Data, nil
+		}
+		files := map[string][]byte{}
+		for _, item := range v.Secret.Items {
+			files[item.Path] = secret.Data[item.Key]
+		}
+		return files, nil
+	}
+	return nil, nil
+}
+
+// writeFiles writes files into dir, each replaced atomically unless it holds its data already.
+func writeFiles(dir string, files map[string][]byte) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	for name, data := range files {
+		path := filepath.Join(dir, name)
+		if old, err := os.ReadFile(path); err == nil && string(old) == string(data) {
+			continue
+		}
+		if err := os.WriteFile(path+".tmp", data, 0o600); err != nil {
+			return err
+		}
+		if err := os.Rename(path+".tmp", path); err != nil {
+			return err
 		}
 	}
 	return nil

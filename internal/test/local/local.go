@@ -92,7 +92,7 @@ func StartWithEnv(name string, log io.Writer, env []string, bin string, args ...
 func Nginx(log io.Writer, dir, conf string) (*Process, error) {
 	bin, err := exec.LookPath("nginx")
 	if err != nil {
-		return nil, fmt.Errorf("the tests need nginx (hack/ensure-nginx.sh): %w", err)
+		return nil, fmt.Errorf("the tests need nginx (hack/ensure-packages.sh): %w", err)
 	}
 	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(conf), 0o600); err != nil {
 		return nil, err

@@ -30,9 +30,16 @@ func RunInPodNetwork(env ...string) (int, error) {
 	if InPodNetwork() {
 		return 0, errors.New("already in the pod network")
 	}
-	script := `ip link set lo up && ip route add local "$` + podNetworkEnv + `" dev lo && exec "$@"`
-	cmd := exec.Command("unshare", append([]string{"--net", "--", "/bin/sh", "-ec", script, "sh"}, os.Args...)...)
-	cmd.Env = append(append(os.Environ(), env...), podNetworkEnv+"="+PodNetwork.String())
+	script := `ip link set lo up && ip route add local "$` + podNetworkEnv + `" dev lo`
+	return InNetworkNamespace(script, append(env, podNetworkEnv+"="+PodNetwork.String())...)
+}
+
+// InNetworkNamespace runs this test binary again, with the same arguments and environment plus
+// env, in a new network namespace that the shell script sets up first, and returns its exit
+// status. The namespace dies with this process.
+func InNetworkNamespace(script string, env ...string) (int, error) {
+	cmd := exec.Command("unshare", append([]string{"--net", "--", "/bin/sh", "-ec", script + "\nexec \"$@\"", "sh"}, os.Args...)...)
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	err := cmd.Run()

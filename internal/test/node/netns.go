@@ -2,10 +2,9 @@ package node
 
 import (
 	"errors"
-	"fmt"
 	"os"
-	"os/exec"
-	"syscall"
+
+	"github.com/sluice-dev/sluice/internal/test/local"
 )
 
 // nodeNetworkEnv tells the re-executed test binary that it runs inside the node network.
@@ -30,19 +29,6 @@ ip addr add ` + NodeIP + `/16 dev ` + Bridge + `
 ip link set ` + Bridge + ` up
 ip route add ` + ServiceCIDR + ` dev ` + Bridge + `
 echo 1 > /proc/sys/net/ipv4/ip_forward
-echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables
-exec "$@"`
-	cmd := exec.Command("unshare", append([]string{"--net", "--", "/bin/sh", "-ec", script, "sh"}, os.Args...)...)
-	cmd.Env = append(os.Environ(), nodeNetworkEnv+"="+NodeIP)
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	err := cmd.Run()
-	var exit *exec.ExitError
-	if errors.As(err, &exit) {
-		return exit.ExitCode(), nil
-	}
-	if err != nil {
-		return 1, fmt.Errorf("run the node tier in a network namespace of its own (unshare --net): %w", err)
-	}
-	return 0, nil
+echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables`
+	return local.InNetworkNamespace(script, nodeNetworkEnv+"="+NodeIP)
 }

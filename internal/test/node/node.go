@@ -25,7 +25,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -34,6 +33,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/sluice-dev/sluice/internal/test/local"
 	"github.com/sluice-dev/sluice/internal/test/poll"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
@@ -66,14 +66,8 @@ type Cluster struct {
 	Dir string
 
 	cgroup string
-	procs  []*proc
-}
-
-// proc is a component's process.
-type proc struct {
-	name string
-	cmd  *exec.Cmd
-	done chan struct{}
+	procs  []*local.Process
+	logs   []*os.File
 }
 
 // Start starts the cluster with the binaries in bin and waits until its node is Ready. The
@@ -119,6 +113,40 @@ var server = fmt.Sprintf("https://%s:%d", NodeIP, apiPort)
 // controlPlane starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler, and makes
 // the administrator's client.
 func (c *Cluster) controlPlane(ctx context.Context, p *pki) error {
+	if err := certificates(p); err != nil {
+		return err
+	}
+	saKey, saPub, err := p.serviceAccountKey()
+	if err != nil {
+		return err
+	}
+	if err := c.apiServer(ctx, p, saKey, saPub); err != nil {
+		return err
+	}
+	kcm, err := p.kubeconfig("controller-manager", server)
+	if err != nil {
+		return err
+	}
+	if err := c.start("kube-controller-manager", "kube-controller-manager",
+		"--kubeconfig="+kcm, "--authentication-kubeconfig="+kcm, "--authorization-kubeconfig="+kcm,
+		"--root-ca-file="+p.caFile(), "--service-account-private-key-file="+saKey,
+		"--use-service-account-credentials=true", "--controllers=*", "--leader-elect=false",
+		"--bind-address=127.0.0.1", "--cluster-name=sluice",
+		"--kube-api-qps=100", "--kube-api-burst=200", "--concurrent-gc-syncs=5"); err != nil {
+		return err
+	}
+	sched, err := p.kubeconfig("scheduler", server)
+	if err != nil {
+		return err
+	}
+	return c.start("kube-scheduler", "kube-scheduler",
+		"--kubeconfig="+sched, "--authentication-kubeconfig="+sched, "--authorization-kubeconfig="+sched,
+		"--leader-elect=false", "--bind-address=127.0.0.1")
+}
+
+// certificates issues the serving certificates of the API server and the kubelet, and the client
+// certificates of every component and the administrator.
+func certificates(p *pki) error {
 	ip := net.ParseIP(NodeIP)
 	firstServiceIP := net.ParseIP("10.96.0.1")
 	errs := []error{
@@ -131,13 +159,12 @@ func (c *Cluster) controlPlane(ctx context.Context, p *pki) error {
 		p.client("kubelet", "system:node:"+NodeName, "system:nodes"),
 		p.client("kube-proxy", "system:kube-proxy"),
 	}
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
-	saKey, saPub, err := p.serviceAccountKey()
-	if err != nil {
-		return err
-	}
+	return errors.Join(errs...)
+}
+
+// apiServer starts etcd and kube-apiserver, makes the administrator's client and waits for the
+// API server to be ready.
+func (c *Cluster) apiServer(ctx context.Context, p *pki, saKey, saPub string) error {
 	if err := c.start("etcd", "etcd",
 		"--data-dir="+filepath.Join(c.Dir, "etcd"),
 		"--listen-client-urls=http://127.0.0.1:2379", "--advertise-client-urls=http://127.0.0.1:2379",
@@ -177,25 +204,7 @@ func (c *Cluster) controlPlane(ctx context.Context, p *pki) error {
 	}); err != nil {
 		return fmt.Errorf("kube-apiserver not ready: %w", err)
 	}
-	kcm, err := p.kubeconfig("controller-manager", server)
-	if err != nil {
-		return err
-	}
-	if err := c.start("kube-controller-manager", "kube-controller-manager",
-		"--kubeconfig="+kcm, "--authentication-kubeconfig="+kcm, "--authorization-kubeconfig="+kcm,
-		"--root-ca-file="+p.caFile(), "--service-account-private-key-file="+saKey,
-		"--use-service-account-credentials=true", "--controllers=*", "--leader-elect=false",
-		"--bind-address=127.0.0.1", "--cluster-name=sluice",
-		"--kube-api-qps=100", "--kube-api-burst=200", "--concurrent-gc-syncs=5"); err != nil {
-		return err
-	}
-	sched, err := p.kubeconfig("scheduler", server)
-	if err != nil {
-		return err
-	}
-	return c.start("kube-scheduler", "kube-scheduler",
-		"--kubeconfig="+sched, "--authentication-kubeconfig="+sched, "--authorization-kubeconfig="+sched,
-		"--leader-elect=false", "--bind-address=127.0.0.1")
+	return nil
 }
 
 // dns starts CoreDNS on the node's address as the cluster's DNS, serving cluster.local from the
@@ -339,16 +348,12 @@ func (c *Cluster) start(name, bin string, args ...string) error {
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(path, args...)
-	cmd.Stdout, cmd.Stderr = log, log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	pr, err := local.Start(name, log, path, args...)
+	if err != nil {
 		_ = log.Close()
-		return fmt.Errorf("start %s: %w", name, err)
+		return err
 	}
-	pr := &proc{name: name, cmd: cmd, done: make(chan struct{})}
-	go func() { _ = cmd.Wait(); _ = log.Close(); close(pr.done) }()
-	c.procs = append(c.procs, pr)
+	c.procs, c.logs = append(c.procs, pr), append(c.logs, log)
 	return nil
 }
 
@@ -356,18 +361,16 @@ func (c *Cluster) start(name, bin string, args ...string) error {
 func (c *Cluster) Logs() string {
 	var b strings.Builder
 	for _, p := range c.procs {
-		data, _ := os.ReadFile(filepath.Join(c.Dir, p.name+".log"))
+		data, _ := os.ReadFile(filepath.Join(c.Dir, p.Name+".log"))
 		lines := strings.Split(strings.TrimSpace(string(data)), "\n")
 		if len(lines) > 15 {
 			lines = lines[len(lines)-15:]
 		}
 		state := "running"
-		select {
-		case <-p.done:
-			state = "exited: " + p.cmd.ProcessState.String()
-		default:
+		if p.Exited() {
+			state = fmt.Sprintf("exited: %v", p.Wait())
 		}
-		fmt.Fprintf(&b, "--- %s (%s), last lines of %s:\n%s\n", p.name, state, filepath.Join(c.Dir, p.name+".log"), strings.Join(lines, "\n"))
+		fmt.Fprintf(&b, "--- %s (%s), last lines of %s:\n%s\n", p.Name, state, filepath.Join(c.Dir, p.Name+".log"), strings.Join(lines, "\n"))
 	}
 	return b.String()
 }

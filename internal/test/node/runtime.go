@@ -151,9 +151,12 @@ func (c *Cluster) Stop() error {
 	killShims(c.socket())
 	var order []string
 	for i := len(c.procs) - 1; i >= 0; i-- {
-		order = append(order, c.procs[i].name)
+		order = append(order, c.procs[i].Name)
 	}
 	c.stop(order...)
+	for _, log := range c.logs {
+		_ = log.Close()
+	}
 	return cleanUp(c.Dir)
 }
 
@@ -196,15 +199,8 @@ func cleanUp(dir string) error {
 func (c *Cluster) stop(names ...string) {
 	for _, name := range names {
 		for _, p := range c.procs {
-			if p.name != name {
-				continue
-			}
-			_ = p.cmd.Process.Signal(syscall.SIGTERM)
-			select {
-			case <-p.done:
-			case <-time.After(10 * time.Second):
-				_ = p.cmd.Process.Kill()
-				<-p.done
+			if p.Name == name {
+				p.Stop()
 			}
 		}
 	}

@@ -36,7 +36,8 @@ func main() {
 		_ = srv.Shutdown(shutdown)
 	}()
 	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		stop()
 		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+		os.Exit(1) //nolint:gocritic // stop has run
 	}
 }
