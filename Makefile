@@ -88,15 +88,16 @@ verify: generate manifests docs build-installer ## Regenerate everything, fail i
 ##@ Run
 
 .PHONY: demo
-demo: redis-server ## Run Sluice on this machine, no cluster needed: control plane, Redis, manager, a policy, an enforcer, traffic.
+demo: ## Run Sluice on this machine, no cluster needed: control plane, Redis, manager, a policy, an enforcer, traffic.
+	@hack/ensure-packages.sh redis-server redis-cli
 	go build -o bin/sluice-demo ./hack/demo
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" bin/sluice-demo
 
 ##@ Test
 
-.PHONY: redis-server
-redis-server: ## Make sure redis-server and redis-cli exist (the tests start their own).
-	@hack/ensure-redis.sh
+.PHONY: packages
+packages: ## Make sure the Debian packages the tests run exist: redis, nginx, containerd, runc, CNI plugins, iptables (one apt-get when root).
+	@hack/ensure-packages.sh
 
 .PHONY: tools
 tools: ## Build helm, promtool and traefik once per machine (the tests run them on the chart, the alerts and the Gateway API); print their paths.
@@ -113,17 +114,15 @@ test-unit: ## Run the fast tier: every test that needs neither the control plane
 	go test -short -count=1 ./...
 
 .PHONY: test
-test: redis-server ## Run all tests against a real API server, real Redis and real nginx.
-	@hack/ensure-nginx.sh
+test: packages ## Run all tests against a real API server, a real node (kubelet, containerd, kube-proxy), real Redis, nginx and Traefik.
 	KUBEBUILDER_ASSETS="$$(hack/envtest.sh)" HELM="$$(hack/tool.sh helm)" PROMTOOL="$$(hack/tool.sh promtool)" \
-		TRAEFIK="$$(hack/tool.sh traefik)" \
 		go test -race -count=1 -timeout 30m ./...
 
 # FUZZTIME is how long `make fuzz` runs each fuzz target.
 FUZZTIME ?= 20s
 
 .PHONY: fuzz
-fuzz: redis-server ## Run every fuzz target of the repository (found by go test -list) for FUZZTIME each, default 20s; a crash is written to the target's testdata/fuzz/ and fails the run.
+fuzz: packages ## Run every fuzz target of the repository (found by go test -list) for FUZZTIME each, default 20s; a crash is written to the target's testdata/fuzz/ and fails the run.
 	@targets=$$(go test -short -list '^Fuzz' ./... | awk '/^Fuzz/ { names = names " " $$0 } /^ok / { if (names != "") print $$2 names; names = "" }'); \
 	if [[ -z "$$targets" ]]; then echo "no fuzz targets found"; exit 1; fi; \
 	while read -r pkg names; do \
@@ -134,7 +133,7 @@ fuzz: redis-server ## Run every fuzz target of the repository (found by go test 
 	done <<< "$$targets"
 
 .PHONY: bench
-bench: redis-server ## Run the Go benchmarks, and the thousand-policy tests of the benchmark tier (-tags bench).
+bench: packages ## Run the Go benchmarks, and the thousand-policy tests of the benchmark tier (-tags bench).
 	go test -run '^$$' -bench . -benchmem ./...
 	go test -tags bench -count=1 -run Thousand -timeout 60m ./test/e2e/
 

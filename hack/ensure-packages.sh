@@ -6,6 +6,9 @@
 #   containerd, runc, the CNI plugins, iptables and conntrack: the node tier's container runtime,
 #     pod network and kube-proxy's rules (test/node).
 # The tests start their own processes; they never use a server that is already running.
+#
+# Usage: hack/ensure-packages.sh [COMMAND...]: all of them, or only those that bring COMMANDs
+# (make demo needs redis-server alone).
 set -euo pipefail
 
 # command -> the package that brings it.
@@ -16,8 +19,11 @@ declare -A packages=(
 	[/usr/lib/cni/bridge]=containernetworking-plugins
 	[iptables]=iptables [conntrack]=conntrack
 )
+wanted=("$@")
+[[ ${#wanted[@]} -gt 0 ]] || wanted=("${!packages[@]}")
 missing=()
-for cmd in "${!packages[@]}"; do
+for cmd in "${wanted[@]}"; do
+	[[ -n "${packages[$cmd]:-}" ]] || { echo "hack/ensure-packages.sh: no package for $cmd" >&2; exit 2; }
 	if ! command -v "$cmd" >/dev/null && [[ ! -x "$cmd" ]]; then
 		missing+=("${packages[$cmd]}")
 	fi

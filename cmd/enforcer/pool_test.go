@@ -567,7 +567,7 @@ func startNginx(t *testing.T, conf string) {
 	tier.Needs(t, "nginx")
 	bin, err := exec.LookPath("nginx")
 	if err != nil {
-		t.Fatalf("the tests need nginx (hack/ensure-nginx.sh): %v", err)
+		t.Fatalf("the tests need nginx (hack/ensure-packages.sh): %v", err)
 	}
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(strings.ReplaceAll(conf, "{{dir}}", dir)), 0o644); err != nil {
