@@ -211,7 +211,7 @@ func (a *applier) applyOne(ctx context.Context, obj client.Object) error {
 	}
 	appliesTotal.WithLabelValues(desired.GetKind()).Inc()
 	// The answer is the object as applied; its resourceVersion is the one the cache will show.
-	a.cache.set(a.key, key, applied{request: request, resourceVersion: desired.GetResourceVersion()})
+	a.cache.set(a.key, key, applied{request: request, resourceVersion: desired.GetResourceVersion(), uid: desired.GetUID()})
 	drift := ""
 	if a.programmed && (!seen || last.request == request) {
 		drift = reason
@@ -224,14 +224,16 @@ func (a *applier) applyOne(ctx context.Context, obj client.Object) error {
 	return nil
 }
 
-// created tells whether the API server holds desired's object, which the cache does not.
-func (a *applier) created(ctx context.Context, desired *unstructured.Unstructured) bool {
-	if a.uncached == nil {
+// created tells whether the API server holds the very object of desired's name that the last
+// apply left (its uid), which the cache does not. One deleted and made again by someone else is
+// not it: that is applied again, and its owner checked.
+func (a *applier) created(ctx context.Context, desired *unstructured.Unstructured, uid types.UID) bool {
+	if a.uncached == nil || uid == "" {
 		return false
 	}
 	obj := &metav1.PartialObjectMetadata{}
 	obj.SetGroupVersionKind(desired.GroupVersionKind())
-	return a.uncached.Get(ctx, client.ObjectKeyFromObject(desired), obj) == nil
+	return a.uncached.Get(ctx, client.ObjectKeyFromObject(desired), obj) == nil && obj.UID == uid
 }
 
 // why reads the live object into live and says why desired must be applied: it does not exist,
@@ -246,7 +248,7 @@ func (a *applier) why(ctx context.Context, desired *unstructured.Unstructured, l
 		// (redisPassword), never brought back by an apply: a reconcile that read it before it was
 		// deleted would bring back the old password that the deletion was to replace.
 		return "", nil
-	case apierrors.IsNotFound(err) && seen && a.created(ctx, desired):
+	case apierrors.IsNotFound(err) && seen && a.created(ctx, desired, last.uid):
 		// The cache has not caught up with what the last apply created (a second reconcile of
 		// the same second finds this): nothing was deleted.
 		if last.request != request {
@@ -279,7 +281,7 @@ func (a *applier) why(ctx context.Context, desired *unstructured.Unstructured, l
 	reason, err := applyReason(desired, live)
 	if err == nil && reason == "" {
 		a.cache.set(a.key, objectKey{kind: desired.GetKind(), namespace: desired.GetNamespace(), name: desired.GetName()},
-			applied{request: request, resourceVersion: live.GetResourceVersion()})
+			applied{request: request, resourceVersion: live.GetResourceVersion(), uid: live.GetUID()})
 	}
 	return reason, err
 }
@@ -446,6 +448,8 @@ func keyOf(o client.Object) objectKey {
 type applied struct {
 	request         [sha256.Size]byte
 	resourceVersion string
+	// uid is the object's that the apply created or changed.
+	uid types.UID
 }
 
 // appliedCache remembers applied per object, by policy, as cluster-api's SSA cache does. It lives

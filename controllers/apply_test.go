@@ -243,7 +243,11 @@ func TestApplierWhenTheCacheLagsBehindTheLastApplyThenNoDriftIsTold(t *testing.T
 	if err != nil {
 		t.Fatal(err)
 	}
-	server := fake.NewClientBuilder().WithObjects(objs.Deployment.DeepCopy()).Build()
+	live := objs.Deployment.DeepCopy()
+	live.UID = "uid-of-the-last-apply"
+	server := fake.NewClientBuilder().WithObjects(live).Build()
+	again := objs.Deployment.DeepCopy()
+	again.UID = "uid-of-someone-else"
 	for _, c := range []struct {
 		name     string
 		uncached client.Reader
@@ -251,11 +255,13 @@ func TestApplierWhenTheCacheLagsBehindTheLastApplyThenNoDriftIsTold(t *testing.T
 	}{
 		{"when the API server holds it then nothing to do", server, ""},
 		{"when the API server does not either then it was deleted", fake.NewClientBuilder().Build(), "the object was deleted"},
+		{"when it was deleted and made again by someone else then it is applied", fake.NewClientBuilder().WithObjects(again).Build(), "the object was deleted"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			a := &applier{client: fake.NewClientBuilder().Build(), uncached: c.uncached, cache: &appliedCache{}, key: types.NamespacedName{Namespace: "ns", Name: "api"},
 				on: p, programmed: true}
-			reason, err := a.why(context.Background(), desired, objs.Deployment.DeepCopy(), request, applied{request: request, resourceVersion: "1"}, true)
+			reason, err := a.why(context.Background(), desired, objs.Deployment.DeepCopy(), request,
+				applied{request: request, resourceVersion: "1", uid: "uid-of-the-last-apply"}, true)
 			if err != nil || reason != c.want {
 				t.Errorf("reason %q, %v; want %q", reason, err, c.want)
 			}

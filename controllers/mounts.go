@@ -3,9 +3,11 @@ package controllers
 import (
 	"context"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
+	"golang.org/x/sync/singleflight"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
@@ -18,14 +20,27 @@ import (
 // does not exist leaves its containers waiting as ContainerCreating, which says nothing of why:
 // the kubelet tells it only in FailedMount events of the pod ("MountVolume.SetUp failed for
 // volume ...: secret "x" not found"). Only for such a pod, and at most once an interval, the
-// manager lists them from the API server: it caches no events.
+// manager lists them from the API server: it caches no events. Whoever may create events in the
+// pod's namespace can write one too, and say it is the kubelet: what is taken is bounded
+// (maxMountEvents events that name the kubelet as their source, maxMountMessage bytes of the
+// latest), so that no event can make a status too long to write.
 type mounts struct {
 	reader   client.Reader
 	interval time.Duration
+	// flight lists a pod's events once, however many of its policies ask at once.
+	flight singleflight.Group
 
 	mu   sync.Mutex
 	seen map[types.UID]mountRead
 }
+
+const (
+	// maxMountEvents is how many FailedMount events of a pod are listed: the kubelet counts a
+	// repeated failure in one event, so a pod has one per volume.
+	maxMountEvents = 16
+	// maxMountMessage is how much of an event's message is told: the kubelet's are one line.
+	maxMountMessage = 1024
+)
 
 // mountRead is what a pod's events said when they were last listed.
 type mountRead struct {
@@ -52,24 +67,50 @@ func (m *mounts) failure(ctx context.Context, pod *corev1.Pod, now time.Time) st
 	if ok && now.Sub(last.at) < m.interval {
 		return last.failure
 	}
-	var events corev1.EventList
-	err := m.reader.List(ctx, &events, client.InNamespace(pod.Namespace), client.MatchingFieldsSelector{Selector: fields.AndSelectors(
-		fields.OneTermEqualSelector("involvedObject.uid", string(pod.UID)),
-		fields.OneTermEqualSelector("reason", failedMount),
-	)})
+	v, err, _ := m.flight.Do(string(pod.UID), func() (any, error) {
+		failure, err := m.list(ctx, pod)
+		if err == nil {
+			m.mu.Lock()
+			m.seen[pod.UID] = mountRead{at: now, failure: failure}
+			m.mu.Unlock()
+		}
+		return failure, err
+	})
 	if err != nil {
 		return last.failure
 	}
-	read := mountRead{at: now}
-	if latest := slices.MaxFunc(append(events.Items, corev1.Event{}), func(a, b corev1.Event) int {
-		return eventTime(a).Compare(eventTime(b))
-	}); latest.Message != "" {
-		read.failure = failedMount + ": " + latest.Message
+	return v.(string)
+}
+
+// list reads the message of the pod's latest FailedMount event from the kubelet, or "".
+func (m *mounts) list(ctx context.Context, pod *corev1.Pod) (string, error) {
+	var events corev1.EventList
+	err := m.reader.List(ctx, &events, client.InNamespace(pod.Namespace), client.Limit(maxMountEvents),
+		client.MatchingFieldsSelector{Selector: fields.AndSelectors(
+			fields.OneTermEqualSelector("involvedObject.uid", string(pod.UID)),
+			fields.OneTermEqualSelector("reason", failedMount),
+			fields.OneTermEqualSelector("source", "kubelet"),
+		)})
+	if err != nil {
+		return "", err
 	}
-	m.mu.Lock()
-	m.seen[pod.UID] = read
-	m.mu.Unlock()
-	return read.failure
+	latest := slices.MaxFunc(append(events.Items, corev1.Event{}), func(a, b corev1.Event) int {
+		return eventTime(a).Compare(eventTime(b))
+	})
+	if latest.Message == "" {
+		return "", nil
+	}
+	return failedMount + ": " + cut(latest.Message, maxMountMessage), nil
+}
+
+// cut is s, or, when it is longer than n bytes, as much of it as fits in n with an ellipsis, cut
+// between two characters.
+func cut(s string, n int) string {
+	const ellipsis = "…"
+	if len(s) <= n {
+		return s
+	}
+	return strings.ToValidUTF8(s[:n-len(ellipsis)], "") + ellipsis
 }
 
 // forget drops what is remembered of pods that are gone: those not in live.

@@ -472,16 +472,20 @@ func share(part, whole uint64) string {
 	return fmt.Sprintf("%.1f%%", 100*float64(part)/float64(whole))
 }
 
+// maxConditionMessage is the longest message the API server takes in a condition.
+const maxConditionMessage = 32768
+
 // conditionSetter returns a function that sets a condition of generation gen on conds, True
 // when ok: one whose status changes transitions at now, one whose status does not keeps its
-// transition time (meta.SetStatusCondition).
+// transition time (meta.SetStatusCondition). A message is cut to what the API server takes: one
+// too long would refuse the whole status.
 func conditionSetter(conds *[]metav1.Condition, gen int64, now time.Time) func(t string, ok bool, reason, msg string) {
 	return func(t string, ok bool, reason, msg string) {
 		status := metav1.ConditionFalse
 		if ok {
 			status = metav1.ConditionTrue
 		}
-		meta.SetStatusCondition(conds, metav1.Condition{Type: t, Status: status, Reason: reason, Message: msg,
+		meta.SetStatusCondition(conds, metav1.Condition{Type: t, Status: status, Reason: reason, Message: cut(msg, maxConditionMessage),
 			ObservedGeneration: gen, LastTransitionTime: metav1.NewTime(now)})
 	}
 }
