@@ -118,6 +118,26 @@ func TestFlagsWhenACombinationCannotWorkThenTheBinaryExits2NamingTheFlags(t *tes
 	}
 }
 
+// A URL that cannot be parsed is named in the error without its password: the error ends up in
+// logs and, as the container's termination message, in the pod's status (found by a hostile
+// review: the parser's own error quotes the whole URL).
+func TestFlagsWhenAURLWithAPasswordIsWrongThenTheErrorDoesNotTellThePassword(t *testing.T) {
+	policy := "--policy=" + filepath.Join(t.TempDir(), "never-read.yaml")
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--upstream=http://127.0.0.1:1", "--redis-url=redis://:S3cret%zzPW@127.0.0.1:6379/0"}, `--redis-url redis://xxxxx@127.0.0.1:6379/0: invalid URL escape "%zz"`},
+		{[]string{"--upstream=http://127.0.0.1:1", "--redis-url=redis://user:S3cret@127.0.0.1:port/0"}, "--redis-url redis://xxxxx@127.0.0.1:port/0: "},
+		{[]string{"--upstream=http://admin:S3cret@127.0.0.1:1/path%zz"}, `--upstream "http://xxxxx@127.0.0.1:1/path%zz"`},
+	} {
+		code, stdout, stderr := run(t, append([]string{policy}, c.args...)...)
+		if code != 2 || !strings.Contains(stderr, c.want) || strings.Contains(stdout+stderr, "S3cret") {
+			t.Errorf("%v: exit %d, stderr:\n%s\nwant exit 2 and %q, and no password", c.args, code, stderr, c.want)
+		}
+	}
+}
+
 // The combinations beside the refused ones, one flag apart, are taken.
 func TestFlagsWhenACombinationCanWorkThenItIsTaken(t *testing.T) {
 	for _, args := range [][]string{

@@ -235,11 +235,30 @@ func (c *cmdline) kube(flag string) (*rest.Config, error) {
 	return kube, nil
 }
 
+// withoutUserinfo is a URL as given, with what stands between its scheme and an @ before its path
+// (a user and password) replaced by "xxxxx", for an error that tells which URL is wrong: it
+// ends up in logs and in the pod's status (its termination message).
+func withoutUserinfo(raw string) string {
+	scheme, rest, ok := strings.Cut(raw, "://")
+	if !ok {
+		return raw
+	}
+	authority := rest
+	if i := strings.IndexAny(rest, "/?#"); i >= 0 {
+		authority = rest[:i]
+	}
+	at := strings.LastIndex(authority, "@")
+	if at < 0 {
+		return raw
+	}
+	return scheme + "://xxxxx" + rest[at:]
+}
+
 func (c *cmdline) upstreamURL() error {
 	if c.upstream != "" {
 		u, err := url.Parse(c.upstream)
 		if err != nil || u.Host == "" || !slices.Contains(enforcer.UpstreamSchemes, u.Scheme) {
-			return fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000, https://api:8443 or h2c://grpc:50051", c.upstream)
+			return fmt.Errorf("--upstream %q: want a URL such as http://127.0.0.1:3000, https://api:8443 or h2c://grpc:50051", withoutUserinfo(c.upstream))
 		}
 		c.cfg.Upstream = u
 	}
@@ -276,7 +295,12 @@ func (c *cmdline) redisStore() error {
 	case c.redisURL != "":
 		u, err := redis.ParseURL(c.redisURL)
 		if err != nil {
-			return fmt.Errorf("--redis-url: %w", err)
+			// The parser's error quotes the URL, password and all; the reason alone is told.
+			var uerr *url.Error
+			if errors.As(err, &uerr) {
+				err = uerr.Err
+			}
+			return fmt.Errorf("--redis-url %s: %w", withoutUserinfo(c.redisURL), err)
 		}
 		opts.Mode, opts.Addrs, opts.DB, opts.TLS = v1alpha1.RedisStandalone, []string{u.Addr}, u.DB, u.TLSConfig
 		if u.Username != "" || u.Password != "" {

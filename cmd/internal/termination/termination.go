@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io/fs"
 	"os"
+	"strings"
 )
 
 // Path is the termination message file the kubelet mounts by default.
@@ -26,7 +27,7 @@ func Write(path, msg string) error {
 		return err
 	}
 	if len(msg) > maxBytes {
-		msg = msg[:maxBytes]
+		msg = strings.ToValidUTF8(msg[:maxBytes], "") // cut between two characters
 	}
 	_, err = f.WriteString(msg)
 	return errors.Join(err, f.Close())
