@@ -201,10 +201,11 @@ func TestPoolWhenThreeReplicasShareOneRedisThenExactly100Of1000PassAndChangesRea
 		})
 		written := time.Now()
 		// The replicas' part: one watch event each and one ConfigMap to load, in batches at
-		// most 250 ms apart (enforcer/pool.go). A second is four of those waits; a replica later
-		// than that was not woken by the event. A probe answered under the old limit was sent
-		// before its replica decided under the new one, so the bound holds the last such probe's
-		// sending, not the probes' pace or their time. Each replica is probed apart, at once.
+		// most 250 ms apart (enforcer/internal/config/watcher.go). A second is four of those
+		// waits; a replica later than that was not woken by the event. A probe answered under
+		// the old limit was sent before its replica decided under the new one, so the bound
+		// holds the last such probe's sending, not the probes' pace or their time. Each replica
+		// is probed apart, at once.
 		const bound = time.Second
 		var wg sync.WaitGroup
 		for i := range pods {
