@@ -2,7 +2,6 @@ package local_test
 
 import (
 	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -80,9 +79,15 @@ func startTestBed() int {
 // kube-controller-manager, nginx and its workers, Traefik.
 func TestChildrenWhenTheTestProcessIsKilledThenEveryOneDiesWithIt(t *testing.T) {
 	tier.Needs(t, "the test control plane, redis-server, nginx and traefik")
+	// Traefik first: on a fresh machine its build (or CI's, beside the tests) takes minutes,
+	// which are not the test bed's start.
+	traefik, err := local.Tool("traefik")
+	if err != nil {
+		t.Fatal(err)
+	}
 	bed := exec.Command(os.Args[0], "-test.run=^$")
-	bed.Env = append(os.Environ(), childEnv+"=1")
-	var stderr bytes.Buffer
+	bed.Env = append(os.Environ(), childEnv+"=1", "TRAEFIK="+traefik)
+	var stderr local.Output // written by the bed while it runs
 	bed.Stderr = &stderr
 	stdout, err := bed.StdoutPipe()
 	if err != nil {
