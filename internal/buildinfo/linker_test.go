@@ -1,6 +1,7 @@
 package buildinfo_test
 
 import (
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/sluice-dev/sluice/internal/test/local"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 	"github.com/sluice-dev/sluice/internal/test/tier"
 )
@@ -38,8 +40,7 @@ func TestLinkerFlagsWhenTheMakefileStampsABuildThenVersionPrintsThem(t *testing.
 	}
 	for _, name := range []string{"manager", "enforcer"} {
 		bin := filepath.Join(t.TempDir(), name)
-		build := exec.Command("go", "build", "-ldflags", ldflags, "-o", bin, "./cmd/"+name)
-		build.Dir = root
+		build := local.GoBuild(context.Background(), root, "-ldflags", ldflags, "-o", bin, "./cmd/"+name)
 		if out, err := build.CombinedOutput(); err != nil {
 			t.Fatalf("go build ./cmd/%s: %v\n%s", name, err, out)
 		}

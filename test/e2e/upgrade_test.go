@@ -120,8 +120,7 @@ func buildAt(t *testing.T, rev string) (manager, enforcer string) {
 		t.Fatalf("git archive %s: %v\n%s", rev, err, out)
 	}
 	for _, name := range []string{"manager", "enforcer"} {
-		build := exec.Command("go", "build", "-o", filepath.Join(dir, name), "./cmd/"+name)
-		build.Dir = src
+		build := local.GoBuild(context.Background(), src, "-o", filepath.Join(dir, name), "./cmd/"+name)
 		if out, err := build.CombinedOutput(); err != nil {
 			t.Fatalf("build %s at %s: %v\n%s", name, rev, err, out)
 		}

@@ -4,12 +4,12 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/sluice-dev/sluice/internal/test/image"
+	"github.com/sluice-dev/sluice/internal/test/local"
 	"github.com/sluice-dev/sluice/internal/test/testenv"
 )
 
@@ -32,9 +32,7 @@ func (c *Cluster) importPause(ctx context.Context) error {
 func ProgramImage(ctx context.Context, dir, pkg, ref string) (string, error) {
 	name := filepath.Base(pkg)
 	bin := filepath.Join(dir, name)
-	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", bin, pkg)
-	cmd.Dir = testenv.RepoRoot()
-	cmd.Env = append(cmd.Environ(), "CGO_ENABLED=0")
+	cmd := local.GoBuild(ctx, testenv.RepoRoot(), "-o", bin, pkg)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("go build %s: %w: %s", pkg, err, out)
 	}
