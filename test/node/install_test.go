@@ -14,9 +14,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -251,8 +253,46 @@ func runStep(t *testing.T, line string) {
 			t.Fatalf("%s: %v\n%s\n%s", line, err, out, podStates(quickNS))
 		}
 	case fields[0] == "curl":
-		url := fields[len(fields)-1]
-		resp, err := getByName(ctx, url)
+		curl(t, line, fields[1:])
+	default:
+		t.Fatalf("the quick start's line %q is not one the test knows how to run", line)
+	}
+}
+
+// curl sends the quick start's GET as curl would with the flags it names: -i, and --retry N with
+// --retry-connrefused, which retries a refused connection N times after 1 s, 2 s, 4 s and so on.
+// Kubernetes routes a Service to a pod some time after the pod is Ready (the EndpointSlice, then
+// each node's kube-proxy), so a refused connection right after kubectl wait is Kubernetes' lag,
+// which the README's line waits out as a user's would.
+func curl(t *testing.T, line string, args []string) {
+	t.Helper()
+	retries, connRefused := 0, false
+	for i := 0; i < len(args)-1; i++ {
+		switch args[i] {
+		case "-i":
+		case "--retry-connrefused":
+			connRefused = true
+		case "--retry":
+			i++
+			n, err := strconv.Atoi(args[i])
+			if err != nil {
+				t.Fatalf("%s: --retry %q: %v", line, args[i], err)
+			}
+			retries = n
+		default:
+			t.Fatalf("%s: the test does not know curl's flag %q", line, args[i])
+		}
+	}
+	url := args[len(args)-1]
+	delay := time.Second
+	for attempt := 0; ; attempt++ {
+		resp, err := getByName(context.Background(), url)
+		if err != nil && connRefused && attempt < retries && errors.Is(err, syscall.ECONNREFUSED) {
+			t.Logf("%s: %v; retrying in %s", line, err, delay)
+			time.Sleep(delay) // curl's --retry wait: 1 s, then twice the last
+			delay *= 2
+			continue
+		}
 		if err != nil {
 			t.Fatalf("%s: %v", line, err)
 		}
@@ -260,8 +300,7 @@ func runStep(t *testing.T, line string) {
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("%s: %s", line, resp.Status)
 		}
-	default:
-		t.Fatalf("the quick start's line %q is not one the test knows how to run", line)
+		return
 	}
 }
 
