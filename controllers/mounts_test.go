@@ -65,3 +65,20 @@ func TestConditionSetterWhenAMessageIsTooLongThenItIsCutToWhatTheAPIServerTakes(
 		t.Errorf("message of %d bytes (valid UTF-8: %v) ending %q, want at most %d ending in an ellipsis", len(msg), utf8.ValidString(msg), msg[len(msg)-8:], maxConditionMessage)
 	}
 }
+
+// cut keeps a text of n bytes whole and cuts one of n+1 to at most n, ending in an ellipsis.
+func TestCutWhenATextIsAtOrOnePastTheBoundThenOnlyTheLongerIsCut(t *testing.T) {
+	const n = 16
+	cases := []struct{ name, s, want string }{
+		{"when the text is n bytes then it is whole", strings.Repeat("x", n), strings.Repeat("x", n)},
+		{"when the text is n+1 bytes then it is cut to n", strings.Repeat("x", n+1), strings.Repeat("x", n-len("…")) + "…"},
+		{"when the cut falls inside a character then the character is left out", "x" + strings.Repeat("é", n/2), "x" + strings.Repeat("é", (n-len("…")-1)/2) + "…"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if got := cut(c.s, n); got != c.want || len(got) > n || !utf8.ValidString(got) {
+				t.Errorf("cut(%q, %d) = %q (%d bytes), want %q", c.s, n, got, len(got), c.want)
+			}
+		})
+	}
+}

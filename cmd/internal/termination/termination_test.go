@@ -19,7 +19,8 @@ func TestWrite(t *testing.T) {
 		name, path, msg, want string
 	}{
 		{"when the file exists then it holds the message alone", existing, "--redis-ca-file: no PEM certificate found", "--redis-ca-file: no PEM certificate found"},
-		{"when the message is longer than the kubelet keeps then it is cut", existing, strings.Repeat("x", 5000), strings.Repeat("x", 4096)},
+		{"when the message is as long as the kubelet keeps then it is whole", existing, strings.Repeat("x", 4096), strings.Repeat("x", 4096)},
+		{"when the message is one byte longer than the kubelet keeps then it is cut", existing, strings.Repeat("x", 4097), strings.Repeat("x", 4096)},
 		{"when the cut falls inside a character then the character is left out", existing, "x" + strings.Repeat("é", 3000), "x" + strings.Repeat("é", 2047)},
 	}
 	for _, c := range cases {
